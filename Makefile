@@ -1,0 +1,25 @@
+# `make test` on a fresh machine: create .venv, install pinned deps (torch first, CPU build), run pytest.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+
+.PHONY: setup test test-all bench
+
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-all: setup
+	$(BIN)/python -m pytest -m "not gpu"
+
+bench: setup
+	$(BIN)/python benchmarks/kernels.py
