@@ -1,0 +1,105 @@
+"""ModelConfig: the engine-facing facts of a model, converted once from its HF config.
+
+Model classes still build their modules from the HF config (as serving engines do);
+everything the engine, the pools and the scheduler need is here, validated, so nothing
+outside `models/` reads the HF config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+from typing import Any, Mapping
+
+import torch
+
+LINEAR_KINDS = ("kda", "gdn", "mamba2")
+LAYER_KINDS = LINEAR_KINDS + ("attn", "mlp")  # "mlp": a stateless block (NemotronH)
+
+KVShapes = Mapping[str, tuple[int, ...]]  # name -> per-token shape, one attention layer
+StateShapes = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (per-slot shape, dtype)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Validated description of a hybrid model for the engine.
+
+    layer_kinds[i] is the kind of layer i; kv_shapes has one entry per "attn" layer (in
+    layer order), state_shapes one per linear layer; kernel_chunks gives the chunk size of
+    the chunkwise kernel of each linear kind present (the checkpoint grid divides by it).
+    """
+
+    model_type: str
+    layer_kinds: tuple[str, ...]
+    vocab_size: int
+    hidden_size: int
+    max_position: int
+    eos_token_ids: tuple[int, ...]
+    dtype: torch.dtype
+    kv_shapes: tuple[KVShapes, ...]
+    state_shapes: tuple[StateShapes, ...]
+    kernel_chunks: Mapping[str, int]
+    hf: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
+        if bad:
+            raise ValueError(f"layer_kinds: unknown kind(s) {bad}; known: {list(LAYER_KINDS)}")
+        if not self.layer_kinds:
+            raise ValueError("layer_kinds: a model needs at least one layer")
+        if len(self.kv_shapes) != len(self.attn_layers):
+            raise ValueError(f"kv_shapes: {len(self.kv_shapes)} entries for {len(self.attn_layers)} attn layers")
+        if len(self.state_shapes) != len(self.linear_layers):
+            raise ValueError(
+                f"state_shapes: {len(self.state_shapes)} entries for {len(self.linear_layers)} linear layers"
+            )
+        missing = {self.layer_kinds[i] for i in self.linear_layers} - set(self.kernel_chunks)
+        if missing:
+            raise ValueError(f"kernel_chunks: no chunk size for linear kind(s) {sorted(missing)}")
+        for name in ("vocab_size", "hidden_size", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+
+    @property
+    def attn_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == "attn")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in LINEAR_KINDS)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of attention KV one token occupies across all attention layers."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(prod(s) * size for layer in self.kv_shapes for s in layer.values())
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state slot (recurrent + conv state of every linear layer)."""
+        return sum(
+            prod(shape) * torch.empty((), dtype=dt).element_size()
+            for layer in self.state_shapes
+            for shape, dt in layer.values()
+        )
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelConfig":
+        """Convert a transformers config (e.g. `AutoConfig.from_pretrained(path)`)."""
+        from models.registry import model_class
+
+        return model_class(hf_config.model_type).model_config(hf_config)
+
+
+def hf_dtype(hf_config, default: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The weight dtype a checkpoint declares (`dtype` / `torch_dtype`), else `default`."""
+    dt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if dt is None:
+        return default
+    return dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt))
+
+
+def eos_ids(hf_config) -> tuple[int, ...]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,0 +1,204 @@
+"""Kimi Linear: KDA layers + MLA (NoPE) layers, MoE MLPs. Parameter names follow the HF checkpoints."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from models.batch import ForwardBatch
+from models.config import ModelConfig, eos_ids, hf_dtype
+from models.layers.mlp import GatedMLP, run_experts
+from models.layers.model import CausalLM
+from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
+from models.layers.state import run_with_state
+
+KDA_CHUNK = 64
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA: short convs on q/k/v, per-channel forget gate, delta rule, gated output norm."""
+
+    def __init__(self, cfg, state_idx: int):
+        super().__init__()
+        h, d, hid, w = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size, cfg.linear_conv_kernel_dim
+        self.h, self.d, self.state_idx = h, d, state_idx
+        for name in ("q", "k", "v"):
+            setattr(self, f"{name}_proj", nn.Linear(hid, h * d, bias=False))
+            setattr(self, f"{name}_conv1d", nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False))
+        self.f_a_proj = nn.Linear(hid, d, bias=False)
+        self.f_b_proj = nn.Linear(d, h * d, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(h * d))
+        self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1))
+        self.b_proj = nn.Linear(hid, h, bias=False)
+        self.g_a_proj = nn.Linear(hid, d, bias=False)
+        self.g_b_proj = nn.Linear(d, h * d, bias=False)
+        self.o_norm = GatedRMSNorm(d, eps=cfg.rms_norm_eps, activation="sigmoid")
+        self.o_proj = nn.Linear(h * d, hid, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        dev = x.device
+        buf = batch.memory.state[self.state_idx]
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [T, 3*H*D]
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
+        conv, conv_step = kernels.get("conv1d_prefill", dev), kernels.get("conv1d_decode", dev)
+        qkv = run_with_state(
+            batch,
+            buf["conv"],
+            lambda r, s0, cu, ck: conv(qkv[r], w, None, s0, cu_seqlens=cu, activation="silu", checkpoint_at=ck),
+            lambda r, s0: conv_step(qkv[r], w, None, s0, activation="silu"),
+        )
+        t = x.shape[0]
+        q, k, v = (y.reshape(t, self.h, self.d) for y in qkv.split(self.h * self.d, -1))  # [T, H, D]
+        q, k = l2norm(q), l2norm(k)
+        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        g = -self.A_log.float().exp().view(self.h, 1) * F.softplus(f.view(t, self.h, self.d), threshold=20.0)
+        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        chunk, step = kernels.get("kda_prefill", dev), kernels.get("kda_decode", dev)
+        args = lambda r: (q[r], k[r], v[r].float(), g[r], beta[r])  # noqa: E731
+        o = run_with_state(
+            batch,
+            buf["recurrent"],
+            lambda r, s0, cu, ck: chunk(*args(r), initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                        checkpoint_at=ck),
+            lambda r, s0: step(*args(r), initial_state=s0, output_final_state=True,
+                               cu_seqlens=torch.arange(r.stop - r.start + 1, device=dev)),
+        )  # [T, H, D]
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.h, self.d)
+        return self.o_proj(self.o_norm(o, gate).to(x.dtype).reshape(t, -1))
+
+
+class MLAttention(nn.Module):
+    """MLA in serving form: the cache holds [latent | rope key] per token (one head), queries
+    are absorbed into the latent space, values are the latent; no RoPE (Kimi's MLA is NoPE)."""
+
+    def __init__(self, cfg, kv_idx: int):
+        super().__init__()
+        hid, h = cfg.hidden_size, cfg.num_attention_heads
+        self.h, self.kv_idx = h, kv_idx
+        self.nope, self.rope, self.vd, self.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        qd = h * (self.nope + self.rope)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hid, qd, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, qd, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hid, self.r + self.rope, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(self.r, eps=1e-6)
+        self.kv_b_proj = nn.Linear(self.r, h * (self.nope + self.vd), bias=False)
+        self.o_proj = nn.Linear(h * self.vd, hid, bias=cfg.attention_bias)
+        self.scale = (self.nope + self.rope) ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(t, self.h, -1).split([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], -1)
+        latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
+        cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
+        cache.view(-1, cache.shape[-1]).index_copy_(0, batch.kv_slots, latent.to(cache.dtype))
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
+        attn = kernels.get("attention", x.device)
+        o = attn(torch.cat([q_lat, q_rope], -1), cache, None, batch.page_table, batch.cu_seqlens, batch.seq_lens,
+                 self.scale, v_dim=self.r)  # [T, H, r]
+        o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
+        return self.o_proj(o.reshape(t, -1))
+
+
+class KimiExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)  # gate
+        self.w2 = nn.Linear(inter, hidden, bias=False)  # down
+        self.w3 = nn.Linear(hidden, inter, bias=False)  # up
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class KimiRouter(nn.Module):
+    """Sigmoid scores + correction bias, grouped top-k, optional renorm, scaled weights."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_local_experts))
+        self.top_k, self.groups, self.topk_groups = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.renorm, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.groups > 1:
+            grouped = choice.view(x.shape[0], self.groups, -1)
+            top_groups = grouped.topk(2, -1)[0].sum(-1).topk(self.topk_groups, -1)[1]  # [T, topk_groups]
+            keep = torch.zeros_like(grouped[..., 0]).scatter_(1, top_groups, 1).bool()
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        idx = choice.topk(self.top_k, -1)[1]  # [T, top_k]
+        w = scores.gather(1, idx)
+        if self.renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling
+
+
+class KimiMoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = KimiRouter(cfg)
+        self.experts = nn.ModuleList(
+            KimiExpert(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_local_experts)
+        )
+        self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x):
+        idx, w = self.gate(x)
+        return run_experts(x, self.experts, idx, w) + self.shared_experts(x)
+
+
+class KimiBlock(nn.Module):
+    def __init__(self, cfg, i: int, mixer_idx: int):
+        super().__init__()
+        attn = cfg.layer_types[i] == "full_attention"
+        self.self_attn = MLAttention(cfg, mixer_idx) if attn else KimiDeltaAttention(cfg, mixer_idx)
+        sparse = cfg.mlp_layer_types[i] == "sparse"
+        self.block_sparse_moe = KimiMoE(cfg) if sparse else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
+class KimiLinearForCausalLM(CausalLM):
+    def __init__(self, hf):
+        super().__init__(hf, KimiBlock, hf.rms_norm_eps)
+
+    @staticmethod
+    def layer_kinds(hf) -> tuple[str, ...]:
+        return tuple("attn" if t == "full_attention" else "kda" for t in hf.layer_types)
+
+    @classmethod
+    def model_config(cls, hf) -> ModelConfig:
+        kinds = cls.layer_kinds(hf)
+        h, d, w = hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim
+        dtype = hf_dtype(hf)
+        return ModelConfig(
+            model_type="kimi_linear",
+            layer_kinds=kinds,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            max_position=hf.max_position_embeddings,
+            eos_token_ids=eos_ids(hf),
+            dtype=dtype,
+            kv_shapes=tuple({"kv": (1, hf.kv_lora_rank + hf.qk_rope_head_dim)} for k in kinds if k == "attn"),
+            state_shapes=tuple(
+                {"recurrent": ((h, d, d), torch.float32), "conv": ((3 * h * d, w - 1), dtype)}
+                for k in kinds
+                if k == "kda"
+            ),
+            kernel_chunks={"kda": KDA_CHUNK},
+            hf=hf,
+        )

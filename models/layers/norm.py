@@ -1,0 +1,46 @@
+"""RMS norms in the fp32 form the reference models use."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / rms(x), computed in fp32; `offset` = 1 for (1 + w) checkpoints (Qwen3-Next)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * x.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """y = w * norm(x) * act(gate), all in fp32 (the output norm of KDA / GDN layers)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.act = {"silu": F.silu, "sigmoid": torch.sigmoid}[activation]
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.weight.float() * x
+        return (x * self.act(gate.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (FLA's convention)."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,40 @@
+"""Running a recurrent op over a ForwardBatch with states kept in slots."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from models.batch import ForwardBatch
+
+# prefill(rows, initial [Np, ...], cu_seqlens [Np+1], checkpoint_at [C] | None)
+#   -> (out, final [Np, ...]) or (out, final, states [C, ...])
+Prefill = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor | None], tuple]
+# decode(rows, initial [Nd, ...]) -> (out, final [Nd, ...])
+Decode = Callable[[slice, torch.Tensor], tuple]
+
+
+def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, decode: Decode) -> torch.Tensor:
+    """Run `prefill` on the prefill segments and `decode` on the decode rows.
+
+    Each segment starts from the state in its slot (zeros when prefix_len == 0). Afterwards
+    every segment's final state is in its slot (in place, in the slot's dtype) and every
+    requested checkpoint state is in its checkpoint slot. Returns the outputs in packing order.
+    """
+    slots = batch.state_slots
+    init = state[slots]  # [N, ...] (a copy)
+    init[batch.prefix_lens == 0] = 0
+    n_pre, t_pre = batch.num_prefills, batch.num_prefill_tokens
+    outs = []
+    if n_pre:  # prefill
+        ck = batch.checkpoint_at if batch.checkpoint_at.numel() else None
+        out, final, *ck_states = prefill(slice(0, t_pre), init[:n_pre], batch.cu_seqlens[: n_pre + 1], ck)
+        state[slots[:n_pre]] = final.to(state.dtype)
+        if ck is not None:
+            state[batch.checkpoint_slots] = ck_states[0].to(state.dtype)
+        outs.append(out)
+    if batch.num_decodes:  # decode
+        out, final = decode(slice(t_pre, batch.num_tokens), init[n_pre:])
+        state[slots[n_pre:]] = final.to(state.dtype)
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

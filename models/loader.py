@@ -1,0 +1,78 @@
+"""Load a local HF checkpoint directory: config.json + *.safetensors (single or sharded).
+
+Parameter names are the checkpoint's own; every model parameter must be found and every
+checkpoint tensor must be used, else a ValueError names the tensors. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models.config import ModelConfig
+from models.registry import model_class
+
+
+def load_hf_config(path: str | Path):
+    """The transformers config of a local checkpoint folder (no hub access)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: no config.json (expected a local checkpoint folder)")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    return files
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Build the model for a checkpoint folder and load its weights.
+
+    Returns (model, ModelConfig). `dtype` defaults to the checkpoint's declared dtype;
+    parameters the model lists in `keep_fp32` stay fp32.
+    """
+    path = Path(path)
+    hf = load_hf_config(path)
+    cfg = ModelConfig.from_hf(hf)
+    dtype = dtype or cfg.dtype
+    with torch.device("meta"):
+        model = model_class(hf.model_type)(hf)
+    model.to_empty(device=device)
+    params = dict(model.state_dict())  # tied weights appear under both names
+    seen: set[str] = set()
+    unexpected = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in params:
+                    unexpected.append(name)
+                    continue
+                t = f.get_tensor(name)
+                dst = params[name]
+                if t.shape != dst.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(dst.shape)}")
+                dst.copy_(t)
+                seen.add(name)
+    tied = {"lm_head.weight"} if getattr(hf, "tie_word_embeddings", False) else set()
+    missing = sorted(set(params) - seen - tied)
+    if missing or unexpected:
+        raise ValueError(f"{path}: missing tensors {missing[:10]} ({len(missing)}), "
+                         f"unexpected tensors {sorted(unexpected)[:10]} ({len(unexpected)})")
+    for name, p in model.named_parameters():
+        if not any(name.endswith(k) for k in model.keep_fp32):
+            p.data = p.data.to(dtype)
+    for name, b in model.named_buffers():
+        if not any(name.endswith(k) for k in model.keep_fp32):
+            b.data = b.data.to(dtype)
+    return model.eval(), cfg
