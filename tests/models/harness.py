@@ -10,6 +10,7 @@ import torch
 from models.batch import ForwardBatch, Memory, Segment
 from models.config import ModelConfig
 from models.loader import load_model
+from tests.utils import rel_err
 
 
 def save_tiny(hf_model_cls, hf_config, path, seed: int = 0):
@@ -91,8 +92,6 @@ TOL = 1e-4
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor, what: str):
-    from tests.utils import rel_err
-
     err = rel_err(ours, ref)
     assert err < TOL, f"{what}: rel err {err:.2e} >= {TOL}"
 

@@ -1,0 +1,1 @@
+"""Model definitions that run a ForwardBatch: Kimi Linear, Qwen3-Next, NemotronH."""
