@@ -1,0 +1,81 @@
+"""Causal attention over a paged KV cache in torch (the CPU path; runs on any device).
+
+Sequences are grouped by query count; each group reads its keys from the pages once and
+runs padded SDPA calls with an explicit causal mask (SDPA's `is_causal` aligns to the
+top-left, wrong when the queries sit at the end of a longer key set). Decode (one query
+per sequence) is therefore a single batched call whatever N. Long query blocks are cut
+into pieces of Q_BLOCK queries so the mask and scores stay bounded.
+Computation is fp32; o is in q's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.kv import check_paged_args, query_lens, read_kv
+
+Q_BLOCK = 1024
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
+    page_table: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    v_dim: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over their sequences' cached keys.
+
+    q [T, H, Dk]; k_cache [num_pages, page_size, Hkv, Dk]; v_cache [num_pages, page_size,
+    Hkv, Dv], or None with v_dim: values are k_cache[..., :v_dim] (MLA latent, Hkv = 1);
+    page_table [N, P] int64; cu_seqlens [N+1] int64 over the queries (None: one sequence);
+    seq_lens [N] keys per sequence, prefix + new. The query block of sequence n sits at the
+    END of its seq_lens[n] keys, whose K/V the caller has already written (`write_kv`).
+    GQA: query head h reads kv head h // (H // Hkv). scale defaults to Dk ** -0.5.
+    Returns o [T, H, Dv].
+    """
+    dv = check_paged_args(q, k_cache, v_cache, page_table, seq_lens, v_dim)
+    t, h, dk = q.shape
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, t], device=q.device)
+    q_lens = query_lens(cu_seqlens, seq_lens)  # [N]
+    scale = dk**-0.5 if scale is None else scale
+    o = q.new_empty(t, h, dv)
+    for e in q_lens.unique().tolist():
+        if e == 0:
+            continue
+        rows = (q_lens == e).nonzero().flatten()  # [n]
+        lens = seq_lens[rows]  # [n]
+        num_keys = int(lens.max())
+        k = read_kv(k_cache, page_table[rows], num_keys).float()  # [n, L, Hkv, Dk]
+        if v_cache is None:
+            v = k[..., :v_dim]  # [n, L, Hkv, Dv]
+        else:
+            v = read_kv(v_cache, page_table[rows], num_keys).float()  # [n, L, Hkv, Dv]
+        tok = cu_seqlens[rows, None] + torch.arange(e, device=q.device)  # [n, E]
+        q_pos = lens[:, None] - e + torch.arange(e, device=q.device)  # [n, E]
+        for s in range(0, e, Q_BLOCK):
+            blk = tok[:, s : s + Q_BLOCK]  # [n, Eb]
+            o[blk] = _attend(q[blk], q_pos[:, s : s + Q_BLOCK], k, v, scale).to(o.dtype)
+    return o
+
+
+def _attend(q, q_pos, k, v, scale):
+    """q [n, E, H, Dk] at key positions q_pos [n, E]; k [n, L, Hkv, Dk], v [n, L, Hkv, Dv]
+    fp32 -> o [n, E, H, Dv] fp32; query i sees keys 0 .. q_pos[i]."""
+    num_keys = int(q_pos.max()) + 1
+    k, v = k[:, :num_keys], v[:, :num_keys]  # keys past the last query are masked anyway
+    k_pos = torch.arange(num_keys, device=q.device)  # [L]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [n, E, L]
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2),  # [n, H, E, Dk]
+        k.transpose(1, 2),  # [n, Hkv, L, Dk]
+        v.transpose(1, 2),  # [n, Hkv, L, Dv]
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )  # [n, H, E, Dv]
+    return o.transpose(1, 2)
