@@ -13,6 +13,8 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
+from kernels.attention import slot_mapping
+
 
 class Segment(NamedTuple):
     """One sequence's share of a batch.
@@ -93,14 +95,11 @@ class ForwardBatch:
         cu = [0]
         for n in lens:
             cu.append(cu[-1] + n)
-        positions, kv_slots, ck_at, ck_slots = [], [], [], []
+        ck_at, ck_slots = [], []
         for s, start, n in zip(segments, cu, lens):
             end = s.prefix_len + n
             if len(s.pages) * ps < end:
                 raise ValueError(f"segments: {len(s.pages)} pages of {ps} cannot hold {end} tokens")
-            pos = range(s.prefix_len, end)
-            positions.extend(pos)
-            kv_slots.extend(s.pages[p // ps] * ps + p % ps for p in pos)
             for p, slot in s.checkpoints:
                 if not s.prefix_len < p <= end:
                     raise ValueError(f"segments: checkpoint at {p} outside ({s.prefix_len}, {end}]")
@@ -113,16 +112,19 @@ class ForwardBatch:
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=device)
 
+        cu_seqlens, prefix_lens, page_table = t(cu), t([s.prefix_len for s in segments]), t(table)
+        seq_lens = prefix_lens + t(lens)
+        seg = torch.repeat_interleave(torch.arange(len(segments), device=device), t(lens))  # [T]
         return cls(
             segments=list(segments),
             input_ids=t([i for s in segments for i in s.input_ids]),
-            positions=t(positions),
-            cu_seqlens=t(cu),
-            prefix_lens=t([s.prefix_len for s in segments]),
-            seq_lens=t([s.prefix_len + n for s, n in zip(segments, lens)]),
+            positions=torch.arange(cu[-1], device=device) - cu_seqlens[seg] + prefix_lens[seg],
+            cu_seqlens=cu_seqlens,
+            prefix_lens=prefix_lens,
+            seq_lens=seq_lens,
             state_slots=t([s.state_slot for s in segments]),
-            page_table=t(table).view(len(segments), width),
-            kv_slots=t(kv_slots),
+            page_table=page_table,
+            kv_slots=slot_mapping(page_table, cu_seqlens, seq_lens, ps),
             checkpoint_at=t(ck_at),
             checkpoint_slots=t(ck_slots),
             logits_at=t(logits_at),
