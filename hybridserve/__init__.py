@@ -1,0 +1,1 @@
+"""hybridserve: serving linear-attention hybrid LLMs."""
