@@ -1,0 +1,226 @@
+"""NemotronH: Mamba2 + GQA attention (NoPE) hybrid; every block is one mixer (Mamba2, attention,
+relu2 MLP or MoE) behind a pre-norm. Parameter names follow the HF checkpoints (`backbone.*`)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels.attention import write_kv
+from models.batch import ForwardBatch
+from models.config import ModelConfig, eos_ids, hf_dtype
+from models.kimi_linear import KimiRouter
+from models.layers.mlp import ACTS, run_experts
+from models.layers.model import CausalLM
+from models.layers.norm import RMSNorm
+from models.layers.state import run_with_state
+
+KINDS = {"linear_attention": "mamba2", "full_attention": "attn", "mlp": "mlp", "moe": "mlp"}
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y = w * norm(x * silu(z)), the RMS taken over each of `groups` channel groups, in fp32."""
+
+    def __init__(self, dim: int, groups: int, eps: float):
+        super().__init__()
+        if dim % groups:
+            raise ValueError(f"n_groups: {groups} does not divide the mamba inner size {dim}")
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = (x.float() * F.silu(z.float())).unflatten(-1, (self.groups, -1))  # [T, G, D/G]
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y.flatten(-2)).to(z.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """in_proj -> [z, xBC, dt]; causal conv over xBC; SSD with per-group B/C and a D skip;
+    silu(z)-gated grouped RMSNorm; out_proj.
+
+    dt = max(softplus(dt + dt_bias), time_step_min), the limit transformers' chunked path
+    applies; its decode step skips it, we apply it in both so that prefill and decode agree.
+    """
+
+    def __init__(self, cfg, state_idx: int):
+        super().__init__()
+        self.h, self.p, self.g, self.s = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
+        if self.h % self.g:
+            raise ValueError(f"n_groups: {self.g} does not divide mamba_num_heads {self.h}")
+        self.state_idx, self.chunk, self.dt_min = state_idx, cfg.chunk_size, cfg.time_step_min
+        self.act = cfg.mamba_hidden_act
+        inner = self.h * self.p
+        self.conv_dim = inner + 2 * self.g * self.s
+        self.in_proj = nn.Linear(cfg.hidden_size, inner + self.conv_dim + self.h, bias=cfg.use_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
+                                bias=cfg.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.h))
+        self.A_log = nn.Parameter(torch.zeros(self.h))
+        self.D = nn.Parameter(torch.ones(self.h))
+        self.norm = GroupedGatedRMSNorm(inner, self.g, cfg.layer_norm_epsilon)
+        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.use_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, dev = x.shape[0], x.device
+        h, p, g, s = self.h, self.p, self.g, self.s
+        buf = batch.memory.state[self.state_idx]
+        z, xbc, dt = self.in_proj(x).split([h * p, self.conv_dim, h], -1)
+        w, b = self.conv1d.weight[:, 0], self.conv1d.bias  # [conv_dim, W], [conv_dim] | None
+        conv, conv_step = kernels.get("conv1d_prefill", dev), kernels.get("conv1d_decode", dev)
+        xbc = run_with_state(
+            batch,
+            buf["conv"],
+            lambda rows, s0, cu, ck: conv(xbc[rows], w, b, s0, cu_seqlens=cu, activation=self.act, checkpoint_at=ck),
+            lambda rows, s0: conv_step(xbc[rows], w, b, s0, activation=self.act),
+        )  # [T, conv_dim]
+        xs, B, C = xbc.split([h * p, g * s, g * s], -1)
+        xs = xs.reshape(t, h, p).float()  # [T, H, P]
+        B, C = B.reshape(t, g, s), C.reshape(t, g, s)  # [T, G, S]
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)  # [T, H]
+        A = -self.A_log.float().exp()  # [H]
+        chunk, step = kernels.get("mamba2_prefill", dev), kernels.get("mamba2_decode", dev)
+        args = lambda rows: (xs[rows], dt[rows], A, B[rows], C[rows], self.D.float())  # noqa: E731
+        y = run_with_state(
+            batch,
+            buf["recurrent"],
+            lambda rows, s0, cu, ck: chunk(*args(rows), initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                           checkpoint_at=ck, chunk_size=self.chunk),
+            lambda rows, s0: step(*args(rows), initial_state=s0, output_final_state=True,
+                                  cu_seqlens=torch.arange(rows.stop - rows.start + 1, device=dev)),
+        )  # [T, H, P] fp32
+        return self.out_proj(self.norm(y.reshape(t, -1), z))
+
+
+class Attention(nn.Module):
+    """GQA without positional encoding over paged KV {"k", "v": [num_pages, page_size, Hkv, D]}."""
+
+    def __init__(self, cfg, kv_idx: int):
+        super().__init__()
+        hid, h, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        d = getattr(cfg, "head_dim", None) or hid // h
+        if h % hkv:
+            raise ValueError(f"num_key_value_heads: {hkv} does not divide num_attention_heads {h}")
+        self.h, self.hkv, self.d, self.kv_idx = h, hkv, d, kv_idx
+        self.q_proj = nn.Linear(hid, h * d, bias=False)
+        self.k_proj = nn.Linear(hid, hkv * d, bias=False)
+        self.v_proj = nn.Linear(hid, hkv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, hid, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.h, self.d)  # [T, H, D]
+        k = self.k_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
+        cache = batch.memory.kv[self.kv_idx]
+        write_kv(cache["k"], cache["v"], batch.kv_slots, k, v)
+        attn = kernels.get("attention", x.device)
+        o = attn(q, cache["k"], cache["v"], batch.page_table, batch.cu_seqlens, batch.seq_lens,
+                 self.d**-0.5)  # [T, H, D]
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """down(act(up(x))): NemotronH's ungated MLP (relu2), also its experts."""
+
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool = False):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = ACTS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class MoE(nn.Module):
+    """Sigmoid grouped top-k routing over ungated experts (optionally in a latent space) plus
+    one shared expert."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        hid, act, latent = cfg.hidden_size, cfg.mlp_hidden_act, cfg.moe_latent_size
+        self.gate = KimiRouter(cfg)
+        d = latent or hid
+        self.experts = nn.ModuleList(MLP(d, cfg.moe_intermediate_size, act) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = MLP(hid, cfg.moe_shared_expert_intermediate_size, act, cfg.mlp_bias)
+        self.fc1_latent_proj = nn.Linear(hid, latent, bias=cfg.mlp_bias) if latent else nn.Identity()
+        self.fc2_latent_proj = nn.Linear(latent, hid, bias=cfg.mlp_bias) if latent else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, w = self.gate(x)  # [T, top_k]
+        routed = run_experts(self.fc1_latent_proj(x), self.experts, idx, w)
+        return self.fc2_latent_proj(routed) + self.shared_experts(x)
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, cfg, i: int, mixer_idx: int):
+        super().__init__()
+        kind = cfg.layers_block_type[i]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
+        if kind == "linear_attention":
+            self.mixer = Mamba2Mixer(cfg, mixer_idx)
+        elif kind == "full_attention":
+            self.mixer = Attention(cfg, mixer_idx)
+        elif kind == "moe":
+            self.mixer = MoE(cfg)
+        else:
+            self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_hidden_act, cfg.mlp_bias)
+        self.stateful = kind in ("linear_attention", "full_attention")
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.norm(x)
+        return x + (self.mixer(h, batch) if self.stateful else self.mixer(h))
+
+
+class NemotronHForCausalLM(CausalLM):
+    keep_fp32 = CausalLM.keep_fp32 + ("A_log", "mixer.D")
+
+    def __init__(self, hf):
+        super().__init__(hf, NemotronHBlock, hf.layer_norm_epsilon)
+        # checkpoint names: backbone.{embeddings, layers, norm_f}
+        self.backbone = self._modules.pop("model")
+        self.backbone.embeddings = self.backbone._modules.pop("embed_tokens")
+        self.backbone.norm_f = self.backbone._modules.pop("norm")
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [L, vocab] (fp32) at batch.logits_at; KV and states are updated in batch.memory."""
+        x = self.backbone.embeddings(batch.input_ids)
+        for block in self.backbone.layers:
+            x = block(x, batch)
+        return self.lm_head(self.backbone.norm_f(x[batch.logits_at])).float()
+
+    @staticmethod
+    def layer_kinds(hf) -> tuple[str, ...]:
+        bad = sorted(set(hf.layers_block_type) - set(KINDS))
+        if bad:
+            raise ValueError(f"layers_block_type: unknown type(s) {bad}; known: {sorted(KINDS)}")
+        return tuple(KINDS[t] for t in hf.layers_block_type)
+
+    @classmethod
+    def model_config(cls, hf) -> ModelConfig:
+        kinds = cls.layer_kinds(hf)
+        d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        h, p, s = hf.mamba_num_heads, hf.mamba_head_dim, hf.ssm_state_size
+        conv_dim = h * p + 2 * hf.n_groups * s
+        dtype = hf_dtype(hf)
+        ssm_dtype = getattr(torch, str(hf.mamba_ssm_cache_dtype).removeprefix("torch."))  # "float32" or a dtype
+        return ModelConfig(
+            model_type="nemotron_h",
+            layer_kinds=kinds,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            max_position=hf.max_position_embeddings,
+            eos_token_ids=eos_ids(hf),
+            dtype=dtype,
+            kv_shapes=tuple({"k": (hf.num_key_value_heads, d), "v": (hf.num_key_value_heads, d)}
+                            for k in kinds if k == "attn"),
+            state_shapes=tuple(
+                {"recurrent": ((h, p, s), ssm_dtype), "conv": ((conv_dim, hf.conv_kernel - 1), dtype)}
+                for k in kinds
+                if k == "mamba2"
+            ),
+            kernel_chunks={"mamba2": hf.chunk_size},
+            hf=hf,
+        )
