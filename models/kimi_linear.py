@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels.attention import write_kv
 from models.batch import ForwardBatch
 from models.config import ModelConfig, eos_ids, hf_dtype
-from models.layers.mlp import GatedMLP, run_experts
+from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
 from models.layers.state import run_with_state
@@ -97,7 +98,7 @@ class MLAttention(nn.Module):
         c, k_rope = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], -1)
         latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
-        cache.view(-1, cache.shape[-1]).index_copy_(0, batch.kv_slots, latent.to(cache.dtype))
+        write_kv(cache, None, batch.kv_slots, latent[:, None])
         w_uk, w_uv = self.kv_b_proj.weight.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
         attn = kernels.get("attention", x.device)
@@ -118,35 +119,10 @@ class KimiExpert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class KimiRouter(nn.Module):
-    """Sigmoid scores + correction bias, grouped top-k, optional renorm, scaled weights."""
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_local_experts))
-        self.top_k, self.groups, self.topk_groups = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
-        self.renorm, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
-        choice = scores + self.e_score_correction_bias.float()
-        if self.groups > 1:
-            grouped = choice.view(x.shape[0], self.groups, -1)
-            top_groups = grouped.topk(2, -1)[0].sum(-1).topk(self.topk_groups, -1)[1]  # [T, topk_groups]
-            keep = torch.zeros_like(grouped[..., 0]).scatter_(1, top_groups, 1).bool()
-            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
-        idx = choice.topk(self.top_k, -1)[1]  # [T, top_k]
-        w = scores.gather(1, idx)
-        if self.renorm:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * self.scaling
-
-
 class KimiMoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
-        self.gate = KimiRouter(cfg)
+        self.gate = GroupedTopKRouter(cfg)
         self.experts = nn.ModuleList(
             KimiExpert(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_local_experts)
         )
@@ -173,6 +149,8 @@ class KimiBlock(nn.Module):
 
 
 class KimiLinearForCausalLM(CausalLM):
+    keep_fp32 = ("e_score_correction_bias", "gate.weight", "dt_bias")
+
     def __init__(self, hf):
         super().__init__(hf, KimiBlock, hf.rms_norm_eps)
 

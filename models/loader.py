@@ -49,12 +49,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     with torch.device("meta"):
         model = model_class(hf.model_type)(hf)
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty made new tensors: re-share lm_head with the embedding
     params = dict(model.state_dict())  # tied weights appear under both names
     seen: set[str] = set()
     unexpected = []
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
+                if name.startswith(model.ignore_prefixes):
+                    continue
                 if name not in params:
                     unexpected.append(name)
                     continue
@@ -64,15 +67,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(dst.shape)}")
                 dst.copy_(t)
                 seen.add(name)
-    tied = {"lm_head.weight"} if getattr(hf, "tie_word_embeddings", False) else set()
+    tied = {"lm_head.weight"} if model.tied else set()
     missing = sorted(set(params) - seen - tied)
     if missing or unexpected:
         raise ValueError(f"{path}: missing tensors {missing[:10]} ({len(missing)}), "
                          f"unexpected tensors {sorted(unexpected)[:10]} ({len(unexpected)})")
-    for name, p in model.named_parameters():
-        if not any(name.endswith(k) for k in model.keep_fp32):
-            p.data = p.data.to(dtype)
-    for name, b in model.named_buffers():
-        if not any(name.endswith(k) for k in model.keep_fp32):
-            b.data = b.data.to(dtype)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if not any(name == k or name.endswith("." + k) for k in model.keep_fp32):
+            t.data = t.data.to(dtype)
     return model.eval(), cfg

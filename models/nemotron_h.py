@@ -10,8 +10,7 @@ import kernels
 from kernels.attention import write_kv
 from models.batch import ForwardBatch
 from models.config import ModelConfig, eos_ids, hf_dtype
-from models.kimi_linear import KimiRouter
-from models.layers.mlp import ACTS, run_experts
+from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import RMSNorm
 from models.layers.state import run_with_state
@@ -140,7 +139,7 @@ class MoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         hid, act, latent = cfg.hidden_size, cfg.mlp_hidden_act, cfg.moe_latent_size
-        self.gate = KimiRouter(cfg)
+        self.gate = GroupedTopKRouter(cfg)
         d = latent or hid
         self.experts = nn.ModuleList(MLP(d, cfg.moe_intermediate_size, act) for _ in range(cfg.n_routed_experts))
         self.shared_experts = MLP(hid, cfg.moe_shared_expert_intermediate_size, act, cfg.mlp_bias)
@@ -174,22 +173,12 @@ class NemotronHBlock(nn.Module):
 
 
 class NemotronHForCausalLM(CausalLM):
-    keep_fp32 = CausalLM.keep_fp32 + ("A_log", "mixer.D")
+    prefix, embed_name, norm_name = "backbone", "embeddings", "norm_f"
+    keep_fp32 = ("gate.weight", "e_score_correction_bias", "dt_bias", "A_log", "mixer.D")
+    ignore_prefixes = ("mtp.",)
 
     def __init__(self, hf):
         super().__init__(hf, NemotronHBlock, hf.layer_norm_epsilon)
-        # checkpoint names: backbone.{embeddings, layers, norm_f}
-        self.backbone = self._modules.pop("model")
-        self.backbone.embeddings = self.backbone._modules.pop("embed_tokens")
-        self.backbone.norm_f = self.backbone._modules.pop("norm")
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [L, vocab] (fp32) at batch.logits_at; KV and states are updated in batch.memory."""
-        x = self.backbone.embeddings(batch.input_ids)
-        for block in self.backbone.layers:
-            x = block(x, batch)
-        return self.lm_head(self.backbone.norm_f(x[batch.logits_at])).float()
 
     @staticmethod
     def layer_kinds(hf) -> tuple[str, ...]:

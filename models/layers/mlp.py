@@ -41,3 +41,30 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
             out.index_add_(0, t, y)
         start += n
     return out
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-V3-style routing (Kimi Linear, NemotronH): sigmoid scores + a correction bias
+    choose the experts (top-k within the top groups); weights are the raw scores, optionally
+    renormalised, times routed_scaling_factor. Returns (expert ids, weights), both [T, top_k]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_local_experts))
+        self.top_k, self.groups, self.topk_groups = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.renorm, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.groups > 1:
+            grouped = choice.view(x.shape[0], self.groups, -1)
+            top_groups = grouped.topk(2, -1)[0].sum(-1).topk(self.topk_groups, -1)[1]  # [T, topk_groups]
+            keep = torch.zeros_like(grouped[..., 0]).scatter_(1, top_groups, 1).bool()
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        idx = choice.topk(self.top_k, -1)[1]  # [T, top_k]
+        w = scores.gather(1, idx)
+        if self.renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling

@@ -9,11 +9,14 @@ from models.layers.norm import RMSNorm
 
 
 class Backbone(nn.Module):
-    """`model.*` of an HF checkpoint: embed_tokens, layers, norm."""
+    """`<prefix>.*` of an HF checkpoint: the embedding, the layers and the final norm, under
+    the names the checkpoint uses (`names` = (embedding, final norm))."""
 
-    def __init__(self, hf, block_cls, kinds: tuple[str, ...], eps: float, norm_offset: float):
+    def __init__(self, hf, block_cls, kinds: tuple[str, ...], eps: float, norm_offset: float,
+                 names: tuple[str, str]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf.vocab_size, hf.hidden_size)
+        self.embed_name, self.norm_name = names
+        self.add_module(self.embed_name, nn.Embedding(hf.vocab_size, hf.hidden_size))
         ordinal = {"attn": 0, "linear": 0, "mlp": 0}
         blocks = []
         for i, kind in enumerate(kinds):
@@ -21,7 +24,14 @@ class Backbone(nn.Module):
             blocks.append(block_cls(hf, i, ordinal[group]))
             ordinal[group] += 1
         self.layers = nn.ModuleList(blocks)
-        self.norm = RMSNorm(hf.hidden_size, eps, offset=norm_offset)
+        self.add_module(self.norm_name, RMSNorm(hf.hidden_size, eps, offset=norm_offset))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Final hidden states [L, D] at batch.logits_at."""
+        x = getattr(self, self.embed_name)(batch.input_ids)
+        for block in self.layers:
+            x = block(x, batch)
+        return getattr(self, self.norm_name)(x[batch.logits_at])
 
 
 class CausalLM(nn.Module):
@@ -32,16 +42,30 @@ class CausalLM(nn.Module):
     layers (its state buffer), and run `forward(x [T, D], batch) -> [T, D]`.
     """
 
-    # parameters kept in fp32 whatever the load dtype (as the reference implementations do)
-    keep_fp32: tuple[str, ...] = ("e_score_correction_bias", "gate.weight", "dt_bias")
+    # checkpoint names of the backbone, its embedding and its final norm
+    prefix, embed_name, norm_name = "model", "embed_tokens", "norm"
+    # parameter names (dotted suffixes) kept in fp32 whatever the load dtype, as the references do
+    keep_fp32: tuple[str, ...] = ()
+    # checkpoint tensors the engine does not use (e.g. multi-token-prediction heads)
+    ignore_prefixes: tuple[str, ...] = ()
     norm_offset: float = 0.0
 
     def __init__(self, hf, block_cls, eps: float):
         super().__init__()
-        self.model = Backbone(hf, block_cls, self.layer_kinds(hf), eps, self.norm_offset)
+        names = (self.embed_name, self.norm_name)
+        self.add_module(self.prefix, Backbone(hf, block_cls, self.layer_kinds(hf), eps, self.norm_offset, names))
         self.lm_head = nn.Linear(hf.hidden_size, hf.vocab_size, bias=False)
-        if getattr(hf, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tied = bool(getattr(hf, "tie_word_embeddings", False))
+        self.tie_weights()
+
+    @property
+    def decoder(self) -> Backbone:
+        return getattr(self, self.prefix)
+
+    def tie_weights(self) -> None:
+        """lm_head shares the embedding when the config ties them (again after `to_empty`)."""
+        if self.tied:
+            self.lm_head.weight = getattr(self.decoder, self.embed_name).weight
 
     @staticmethod
     def layer_kinds(hf) -> tuple[str, ...]:
@@ -50,8 +74,4 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [L, vocab] (fp32) at batch.logits_at; KV and states are updated in batch.memory."""
-        x = self.model.embed_tokens(batch.input_ids)
-        for block in self.model.layers:
-            x = block(x, batch)
-        x = self.model.norm(x[batch.logits_at])
-        return self.lm_head(x).float()
+        return self.lm_head(self.decoder(batch)).float()

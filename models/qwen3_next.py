@@ -1,0 +1,224 @@
+"""Qwen3-Next: Gated DeltaNet layers + gated GQA attention layers (partial RoPE), MoE MLPs with a
+gated shared expert. Parameter names follow the HF checkpoints; all RMSNorms outside the
+GDN output norm are the (1 + w) form."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from kernels.attention import write_kv
+from models.batch import ForwardBatch
+from models.config import ModelConfig, eos_ids, hf_dtype
+from models.layers.mlp import GatedMLP, run_experts
+from models.layers.model import CausalLM
+from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
+from models.layers.state import run_with_state
+
+GDN_CHUNK = 64
+
+
+class GatedDeltaNet(nn.Module):
+    """GDN: q/k/v/z and b/a projections grouped by key head, one short conv over the
+    concatenated [q, k, v] channels, scalar-gated delta rule, silu(z)-gated output norm."""
+
+    def __init__(self, cfg, state_idx: int):
+        super().__init__()
+        h, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if hv % h:
+            raise ValueError(f"linear_num_value_heads: {hv} is not a multiple of linear_num_key_heads {h}")
+        self.h, self.hv, self.dk, self.dv = h, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.state_idx = state_idx
+        key_dim, value_dim, hid = h * self.dk, hv * self.dv, cfg.hidden_size
+        conv_dim = 2 * key_dim + value_dim
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
+        self.in_proj_qkvz = nn.Linear(hid, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hid, 2 * hv, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = GatedRMSNorm(self.dv, eps=cfg.rms_norm_eps, activation="silu")
+        self.out_proj = nn.Linear(value_dim, hid, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t, dev = x.shape[0], x.device
+        h, hv, dk, dv = self.h, self.hv, self.dk, self.dv
+        r = hv // h  # value heads per key head
+        buf = batch.memory.state[self.state_idx]
+        q, k, v, z = self.in_proj_qkvz(x).view(t, h, -1).split([dk, dk, r * dv, r * dv], -1)  # [T, H, *]
+        b, a = self.in_proj_ba(x).view(t, h, 2 * r).split([r, r], -1)  # [T, H, r]
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)  # [T, 2*H*K + HV*V]
+        w = self.conv1d.weight[:, 0]  # [2*H*K + HV*V, W]
+        conv, conv_step = kernels.get("conv1d_prefill", dev), kernels.get("conv1d_decode", dev)
+        qkv = run_with_state(
+            batch,
+            buf["conv"],
+            lambda rows, s0, cu, ck: conv(qkv[rows], w, None, s0, cu_seqlens=cu, activation="silu", checkpoint_at=ck),
+            lambda rows, s0: conv_step(qkv[rows], w, None, s0, activation="silu"),
+        )
+        q, k, v = qkv.split([h * dk, h * dk, hv * dv], -1)
+        q, k = l2norm(q.view(t, h, dk)), l2norm(k.view(t, h, dk))  # [T, H, K] fp32
+        v = v.reshape(t, hv, dv).float()  # [T, HV, V]
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias.float())  # [T, HV]
+        beta = b.reshape(t, hv).float().sigmoid()  # [T, HV]
+        chunk, step = kernels.get("gdn_prefill", dev), kernels.get("gdn_decode", dev)
+        args = lambda rows: (q[rows], k[rows], v[rows], g[rows], beta[rows])  # noqa: E731
+        o = run_with_state(
+            batch,
+            buf["recurrent"],
+            lambda rows, s0, cu, ck: chunk(*args(rows), initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                           checkpoint_at=ck),
+            lambda rows, s0: step(*args(rows), initial_state=s0, output_final_state=True,
+                                  cu_seqlens=torch.arange(rows.stop - rows.start + 1, device=dev)),
+        )  # [T, HV, V]
+        o = self.norm(o, z.reshape(t, hv, dv)).to(x.dtype)
+        return self.out_proj(o.reshape(t, -1))
+
+
+def rope_cos_sin(batch: ForwardBatch, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, dim] fp32 at batch.positions (rotate-half layout), computed once per batch."""
+    key = ("rope", dim, theta)
+    if key not in batch.extras:
+        pos = batch.positions
+        inv_freq = theta ** -(torch.arange(0, dim, 2, device=pos.device, dtype=torch.float) / dim)  # [dim/2]
+        freqs = pos.float()[:, None] * inv_freq  # [T, dim/2]
+        emb = torch.cat([freqs, freqs], -1)  # [T, dim]
+        batch.extras[key] = (emb.cos(), emb.sin())
+    return batch.extras[key]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] channels of x [T, H, D] (rotate-half pairs); the rest pass."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim].float(), x[..., dim:]
+    x1, x2 = rot.chunk(2, -1)
+    rot = rot * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]
+    return torch.cat([rot.to(x.dtype), rest], -1)
+
+
+class GatedAttention(nn.Module):
+    """GQA with per-head (1 + w) q/k norms, partial RoPE, and a sigmoid output gate that
+    q_proj emits beside the queries (per head: [q | gate])."""
+
+    def __init__(self, cfg, kv_idx: int):
+        super().__init__()
+        hid, h, hkv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        d = getattr(cfg, "head_dim", None) or hid // h
+        rope = cfg.rope_parameters
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters: rope_type {rope['rope_type']!r} is not supported; supported: default")
+        self.h, self.hkv, self.d, self.kv_idx = h, hkv, d, kv_idx
+        self.rot, self.theta = int(d * rope.get("partial_rotary_factor", 1.0)), float(rope["rope_theta"])
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(hid, h * d * 2, bias=bias)
+        self.k_proj = nn.Linear(hid, hkv * d, bias=bias)
+        self.v_proj = nn.Linear(hid, hkv * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, hid, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.h, 2 * self.d).chunk(2, -1)  # [T, H, D] each
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
+        cos, sin = rope_cos_sin(batch, self.rot, self.theta)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        caches = batch.memory.kv[self.kv_idx]  # name -> [num_pages, page_size, Hkv, D]
+        write_kv(caches["k"], caches["v"], batch.kv_slots, k, v)
+        attn = kernels.get("attention", x.device)
+        o = attn(q, caches["k"], caches["v"], batch.page_table, batch.cu_seqlens, batch.seq_lens,
+                 self.d**-0.5)  # [T, H, D]
+        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(o)
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k routing (optionally renormalised) plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        hid, act = cfg.hidden_size, cfg.hidden_act
+        self.top_k, self.renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(hid, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(GatedMLP(hid, cfg.moe_intermediate_size, act) for _ in range(cfg.num_experts))
+        self.shared_expert = GatedMLP(hid, cfg.shared_expert_intermediate_size, act)
+        self.shared_expert_gate = nn.Linear(hid, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.gate(x), -1, dtype=torch.float)  # [T, E]
+        w, idx = probs.topk(self.top_k, -1)  # [T, top_k]
+        if self.renorm:
+            w = w / w.sum(-1, keepdim=True)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return run_experts(x, self.experts, idx, w.to(x.dtype)) + shared
+
+
+def is_sparse(hf, i: int) -> bool:
+    return i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
+
+
+class Qwen3NextBlock(nn.Module):
+    def __init__(self, cfg, i: int, mixer_idx: int):
+        super().__init__()
+        if cfg.layer_types[i] == "full_attention":
+            self.self_attn = GatedAttention(cfg, mixer_idx)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, mixer_idx)
+        if is_sparse(cfg, i):
+            self.mlp = SparseMoE(cfg)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+        x = x + mixer(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    keep_fp32 = ("dt_bias", "A_log")
+    ignore_prefixes = ("mtp.",)
+    norm_offset = 1.0
+
+    def __init__(self, hf):
+        if hf.hidden_act != "silu":
+            raise ValueError(f"hidden_act: {hf.hidden_act!r} is not supported (the GDN conv and MLPs use silu)")
+        super().__init__(hf, Qwen3NextBlock, hf.rms_norm_eps)
+
+    @staticmethod
+    def layer_kinds(hf) -> tuple[str, ...]:
+        kinds = {"full_attention": "attn", "linear_attention": "gdn"}
+        bad = sorted(set(hf.layer_types) - set(kinds))
+        if bad:
+            raise ValueError(f"layer_types: unknown type(s) {bad}; known: {sorted(kinds)}")
+        return tuple(kinds[t] for t in hf.layer_types)
+
+    @classmethod
+    def model_config(cls, hf) -> ModelConfig:
+        kinds = cls.layer_kinds(hf)
+        hkv, hv = hf.num_key_value_heads, hf.linear_num_value_heads
+        d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        dk, dv = hf.linear_key_head_dim, hf.linear_value_head_dim
+        conv_dim = 2 * hf.linear_num_key_heads * dk + hv * dv
+        dtype = hf_dtype(hf)
+        return ModelConfig(
+            model_type="qwen3_next",
+            layer_kinds=kinds,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            max_position=hf.max_position_embeddings,
+            eos_token_ids=eos_ids(hf),
+            dtype=dtype,
+            kv_shapes=tuple({"k": (hkv, d), "v": (hkv, d)} for k in kinds if k == "attn"),
+            state_shapes=tuple(
+                {"recurrent": ((hv, dk, dv), torch.float32), "conv": ((conv_dim, hf.linear_conv_kernel_dim - 1), dtype)}
+                for k in kinds
+                if k == "gdn"
+            ),
+            kernel_chunks={"gdn": GDN_CHUNK},
+            hf=hf,
+        )
