@@ -7,7 +7,6 @@ outside `models/` reads the HF config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import prod
 from typing import Any, Mapping
 
 import torch
@@ -66,21 +65,6 @@ class ModelConfig:
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in LINEAR_KINDS)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of attention KV one token occupies across all attention layers."""
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return sum(prod(s) * size for layer in self.kv_shapes for s in layer.values())
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of one state slot (recurrent + conv state of every linear layer)."""
-        return sum(
-            prod(shape) * torch.empty((), dtype=dt).element_size()
-            for layer in self.state_shapes
-            for shape, dt in layer.values()
-        )
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
