@@ -1,0 +1,137 @@
+"""The scheduler's side of the prefix cache: what a request holds and when it changes hands.
+
+    admit    match_prefix -> lock the hit node, restore its checkpoint into the request's
+             own active slot (a copy), share the tree's pages for [0, state_len)
+    stash    after a chunk: insert [0, end) with the chunk's checkpoints; the request's
+             full pages move into the tree; lock the new node, unlock the old one
+    decode   every G-position the decode state is copied to the rolling checkpoint slot
+    release  insert what is computed (+ the rolling checkpoint), unlock, free the pages the
+             tree did not take and the active slot
+"""
+from __future__ import annotations
+
+import math
+
+from state_cache import CheckpointAdmission, DecodeCheckpoint, MatchResult, StateRadixCache
+from scheduler.request import Req
+
+
+class CacheManager:
+    def __init__(self, cache: StateRadixCache, checkpoint_interval: int | None = None):
+        self.cache = cache
+        self.kv = cache.kv_pool
+        self.states = cache.state_pool
+        self.page_size = cache.page_size
+        self.g = cache.granularity
+        self.admission = CheckpointAdmission(self.g, checkpoint_interval)
+
+    def match(self, req: Req, record: bool = True) -> MatchResult:
+        return self.cache.match_prefix(req.all_ids[: req.fill_len], record_stats=record)
+
+    def continues_below(self, req: Req) -> bool:
+        """Whether the tree holds more of req's fill than the node req holds (cheap test)."""
+        node = req.node if req.node is not None else self.cache.root
+        nxt = tuple(req.all_ids[node.end: node.end + self.page_size])
+        return len(nxt) == self.page_size and nxt in node.children
+
+    def pages_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.page_size)
+
+    def admit(self, req: Req, m: MatchResult) -> bool:
+        """Give req an active slot and the cached prefix m; False if no slot is free."""
+        slot = self.states.alloc_active()
+        if slot is None:
+            return False
+        req.state_slot = slot
+        req.kv_hit_tokens, req.cached_tokens = m.kv_len, m.state_len
+        req.branch_pos = m.branch_pos
+        self.adopt(req, m)
+        return True
+
+    def adopt(self, req: Req, m: MatchResult) -> None:
+        """Resume req at m.state_len: copy the checkpoint in, use the tree's pages below it."""
+        self.cache.lock(m.node)
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        req.node = m.node
+        if m.checkpoint is not None:
+            self.cache.restore(m.checkpoint, req.state_slot)
+        stale = [p for p, t in zip(req.kv_pages, m.pages) if p != t]  # ours, superseded by the tree's
+        self.kv.free(stale)
+        req.kv_pages = list(m.pages) + req.kv_pages[len(m.pages):]
+        req.prefix_len = req.extend_end = m.state_len
+
+    def ensure_pages(self, req: Req, tokens: int) -> bool:
+        """Pages for the first `tokens` positions of req (evicting cached ones); False if not enough."""
+        need = self.pages_for(tokens) - len(req.kv_pages)
+        if need <= 0:
+            return True
+        pages = self.cache.alloc_pages(need)
+        if pages is None:
+            return False
+        req.kv_pages += pages
+        return True
+
+    def chunk_checkpoints(self, req: Req, start: int, end: int) -> tuple[tuple[int, int], ...] | None:
+        """(position, slot) for every admitted checkpoint in (start, end]; None if no slot is left."""
+        out = []
+        for pos in self.admission.prefill(start, end, req.fill_len, req.branch_pos):
+            slot = self.cache.alloc_checkpoint()
+            if slot is None:
+                break  # checkpoints are an optimisation: run without the rest
+            out.append((pos, slot))
+        return tuple(out)
+
+    def stash(self, req: Req, end: int, checkpoints=()) -> None:
+        """Chunk [.., end) is final: move its full pages and checkpoints into the tree."""
+        r = self.cache.insert(req.all_ids[:end], req.kv_pages, dict(checkpoints))
+        req.kv_pages[: len(r.pages)] = r.pages
+        self.cache.lock(r.node)
+        self.cache.unlock(req.node)
+        req.node = r.node
+
+    def after_decode(self, req: Req) -> None:
+        """Checkpoint the decode state when prefix_len lands on the grid."""
+        pos = req.prefix_len
+        decision = self.admission.decode(pos)
+        if decision is DecodeCheckpoint.NONE:
+            return
+        if decision is DecodeCheckpoint.KEEP:
+            slot = self.cache.alloc_checkpoint()
+            if slot is not None:
+                self.states.save(req.state_slot, slot)
+                self.stash(req, pos, {pos: slot})
+            return
+        if req.rolling_ckpt is None:  # rolling: reuse the request's one writable slot
+            slot = self.cache.alloc_checkpoint()
+            if slot is None:
+                return
+        else:
+            slot = req.rolling_ckpt[1]
+        self.states.save(req.state_slot, slot)
+        req.rolling_ckpt = (pos, slot)
+
+    def release(self, req: Req) -> None:
+        """Give back everything req holds; what it computed stays cached where it can."""
+        if req.state_slot is None:
+            return
+        ckpts = dict([req.rolling_ckpt]) if req.rolling_ckpt else {}
+        if req.prefix_len >= self.page_size:
+            self.stash(req, req.prefix_len, ckpts)
+        elif ckpts:
+            self.states.free(req.rolling_ckpt[1])
+        tree = self.cache_pages(req)
+        self.kv.free(req.kv_pages[tree:])
+        if req.node is not None:
+            self.cache.unlock(req.node)
+        self.states.free(req.state_slot)
+        req.state_slot, req.node, req.kv_pages, req.rolling_ckpt = None, None, [], None
+
+    def cache_pages(self, req: Req) -> int:
+        """How many of req's pages (a prefix of its page table) the tree owns."""
+        return req.node.end // self.page_size if req.node is not None else 0
+
+    def future_pages(self, req: Req, reserve: float) -> int:
+        """Pages req may still allocate: the rest of its fill, plus `reserve` of its decode."""
+        left = req.max_new_tokens - len(req.output_ids)
+        return max(0, self.pages_for(req.fill_len + math.ceil(left * reserve)) - len(req.kv_pages))

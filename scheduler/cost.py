@@ -1,0 +1,128 @@
+"""The step-time model: predicted wall time of one forward, from what the batch holds.
+
+    t = c0 + c_tok * tokens
+           + c_attn * attn_layers * sum_prefill(extend * (prefix + extend / 2))
+           + c_dec_attn * attn_layers * sum_decode(context)
+           + c_serial * max_prefill(ceil(extend / chunk))
+           + c_dec * decode_rows
+
+`c_serial` is the serial weight: a chunkwise linear-attention kernel walks each segment in
+`chunk`-token steps, one after the other, so a segment of E tokens costs ceil(E / chunk)
+steps of wall time however few tokens each holds, and a batch costs its longest segment's
+steps (segments run side by side). Decode attention reads the whole context once per row
+(memory-bound), so it has its own coefficient rather than sharing the prefill one.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, NamedTuple, Sequence
+
+PROFILES = Path(__file__).parent / "profiles"
+COEFFS = ("c0", "c_tok", "c_attn", "c_dec_attn", "c_serial", "c_dec")
+
+
+class BatchShape(NamedTuple):
+    """What the cost of a forward depends on: (prefix, extend) per prefill segment and the
+    context length of every decode row."""
+
+    prefill: Sequence[tuple[int, int]] = ()
+    decode: Sequence[int] = ()
+
+    @property
+    def tokens(self) -> int:
+        return sum(e for _, e in self.prefill) + len(self.decode)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    c0: float = 0.0
+    c_tok: float = 0.0
+    c_attn: float = 0.0
+    c_dec_attn: float = 0.0
+    c_serial: float = 0.0
+    c_dec: float = 0.0
+    chunk: int = 64
+    attn_layers: int = 1
+    meta: dict = field(default_factory=dict, compare=False)  # provenance: model, hardware, sources
+
+    def __post_init__(self):
+        for name in COEFFS:
+            v = getattr(self, name)
+            if not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if self.attn_layers < 0:
+            raise ValueError(f"attn_layers must be >= 0, got {self.attn_layers}")
+
+    def features(self, shape: BatchShape) -> list[float]:
+        """The regressors of `step_time`, in COEFFS order."""
+        attn = sum(e * (p + e / 2) for p, e in shape.prefill) * self.attn_layers
+        dec_attn = sum(shape.decode) * self.attn_layers
+        serial = max((math.ceil(e / self.chunk) for _, e in shape.prefill), default=0)
+        return [1.0, shape.tokens, attn, dec_attn, serial, len(shape.decode)]
+
+    def step_time(self, shape: BatchShape) -> float:
+        """Predicted seconds for one forward of a batch of this shape (0 for an empty batch)."""
+        if not shape.prefill and not shape.decode:
+            return 0.0
+        return sum(c * f for c, f in zip(self.coefficients, self.features(shape)))
+
+    def serial_steps(self, extend: int) -> int:
+        return math.ceil(extend / self.chunk)
+
+    @property
+    def coefficients(self) -> list[float]:
+        return [getattr(self, n) for n in COEFFS]
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[BatchShape, float]], chunk: int = 64, attn_layers: int = 1,
+            meta: dict | None = None) -> "CostModel":
+        """Least-squares coefficients (non-negative) from timed forwards (shape, seconds).
+
+        Solved on relative error (each row weighted by 1 / time) so short decode steps count as
+        much as long prefills. Coefficients whose feature never varies are left at 0.
+        """
+        import numpy as np
+
+        probe = cls(chunk=chunk, attn_layers=attn_layers)
+        rows = [(probe.features(s), t) for s, t in samples]
+        if len(rows) < 2:
+            raise ValueError(f"samples: need at least 2 timed forwards, got {len(rows)}")
+        x = np.array([f for f, _ in rows], dtype=float)
+        y = np.array([t for _, t in rows], dtype=float)
+        w = 1.0 / np.maximum(y, 1e-9)
+        active = [j for j in range(x.shape[1]) if j == 0 or np.ptp(x[:, j]) > 0]
+        coef = np.zeros(x.shape[1])
+        while active:  # non-negative least squares by dropping negative terms
+            sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+            if (sol >= 0).all():
+                coef[active] = sol
+                break
+            active = [j for j, c in zip(active, sol) if c >= 0]
+        return cls(**dict(zip(COEFFS, coef.tolist())), chunk=chunk, attn_layers=attn_layers, meta=meta or {})
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "CostModel":
+        data = json.loads(Path(path).read_text())
+        unknown = set(data) - set(COEFFS) - {"chunk", "attn_layers", "meta"}
+        if unknown:
+            raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> "CostModel":
+        """A shipped profile by name (see scheduler/profiles/) or a JSON file."""
+        path = Path(name_or_path)
+        if not path.suffix:
+            path = PROFILES / f"{name_or_path}.json"
+            if not path.is_file():
+                known = sorted(p.stem for p in PROFILES.glob("*.json"))
+                raise ValueError(f"profile {name_or_path!r} not found; shipped: {known}")
+        return cls.from_json(path)

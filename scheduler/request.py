@@ -1,0 +1,84 @@
+"""Req: one request and its cursor through prefill and decode.
+
+    input_ids + output_ids                  (fill target = len at admission)
+    [0 ........ prefix_len ........ extend_end ........ fill_len)
+     KV + state final   | scheduled, in flight | not yet scheduled
+
+A round computes [prefix_len, extend_end); when its result is processed prefix_len moves
+to that round's end. Rounds may be scheduled before the previous result returns (the
+cursor extend_end runs ahead, `inflight_middle_chunks` counts the chunks in flight).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: Any = None  # opaque to the scheduler (the engine's SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival: float = 0.0
+    deadline: float = math.inf
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    prefix_len: int = 0
+    extend_end: int = 0
+    fill_len: int = 0  # tokens to prefill before the next sample (prompt, or prompt + output after retraction)
+    state_slot: int | None = None
+    kv_pages: list[int] = field(default_factory=list)
+    node: Any = None  # the cache node this request holds a lock on
+    branch_pos: int = 0
+    rolling_ckpt: Any = None  # (pos, slot) of the latest decode checkpoint not yet in the tree
+    inflight_middle_chunks: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the cache (state hit) at admission
+    kv_hit_tokens: int = 0
+    finish_reason: str | None = None
+    first_token_at: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    retractions: int = 0
+
+    def __post_init__(self):
+        self._ids = list(self.input_ids) + list(self.output_ids)
+        if not self.input_ids:
+            raise ValueError("input_ids: a request needs at least one token")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def all_ids(self) -> list[int]:
+        """input_ids + output_ids (kept up to date by `append`; do not modify)."""
+        return self._ids
+
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        self._ids.append(token)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def remaining_fill(self) -> int:
+        """Tokens still to be scheduled before the next sample."""
+        return self.fill_len - self.extend_end
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.max_new_tokens

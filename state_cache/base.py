@@ -1,0 +1,211 @@
+"""Contracts of the memory layer: result types and the interfaces the scheduler codes against.
+
+Who owns what (the accounting map; every arrow is an explicit call):
+
+    KV page    pool.alloc -> the request's (ref 1)
+               -> insert(): pages [0, len(tokens) // page_size) become the tree's; a page whose
+                  prefix the tree already holds is freed there (duplicate); pages past the last
+                  full page stay the request's, and the request frees them
+               -> evict() / flush(): the tree frees its pages
+    ckpt slot  alloc_checkpoint -> the caller's, writable (save() or the forward fills it)
+               -> insert(checkpoints={pos: slot}): adopted by the node ending at pos and sealed
+                  (immutable), or freed there if that node already holds one
+               -> evict() / flush(): the tree frees it.  A slot never passed to insert() is the
+                  caller's to free.
+    active     alloc_active -> exclusive to one request, written in place -> free() by the
+    slot       request.  Never referenced by the tree; a hit copies a checkpoint into it.
+    lock       lock(node) pins node and its ancestors (their pages and checkpoints) until
+               unlock(node); locks nest (counted).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+
+class IntegrityError(RuntimeError):
+    """A pool or the tree broke one of its accounting invariants."""
+
+
+class Checkpoint(NamedTuple):
+    """A sealed checkpoint slot holding every linear layer's state after `pos` tokens."""
+
+    slot: int
+    pos: int
+
+
+class MatchResult(NamedTuple):
+    """What the cache holds for a token sequence.
+
+    kv_len:     tokens whose KV the tree holds (a multiple of page_size, <= len(tokens)).
+    state_len:  usable prefix: the deepest checkpoint position on the matched path with
+                state_len <= len(tokens) - 1 (a multiple of G; 0 when none).
+    node:       opaque handle of the node ending at state_len (the root when 0); lock it
+                before using pages or checkpoint, unlock when done. `node.end == state_len`.
+    checkpoint: the checkpoint at state_len, or None when state_len == 0.
+    pages:      the tree's KV pages for tokens [0, state_len), in order.
+    branch_pos: the G-position at or before the point where the tokens leave a cached
+                path (0 when they extend or stay on one): admit a checkpoint there.
+    """
+
+    kv_len: int
+    state_len: int
+    node: Any
+    checkpoint: Checkpoint | None
+    pages: list[int]
+    branch_pos: int
+
+
+class InsertResult(NamedTuple):
+    """Outcome of insert(): the tree now owns pages for tokens [0, node.end).
+
+    node:  the node ending at len(tokens) // page_size * page_size (lock it to keep using them).
+    pages: the tree's pages for that prefix; the caller's page table must use these from now
+           on (a page of the caller that duplicated one of the tree's has been freed).
+    """
+
+    node: Any
+    pages: list[int]
+    new_pages: int
+    freed_pages: int
+    new_checkpoints: int
+    freed_checkpoints: int
+
+
+class EvictResult(NamedTuple):
+    """How much eviction freed (it may free more than asked: whole nodes go)."""
+
+    pages: int
+    checkpoints: int
+
+
+class CacheStats(NamedTuple):
+    """Counters since start (hits, inserts, evictions) and pool usage now, for metrics."""
+
+    lookups: int
+    lookup_tokens: int
+    kv_hit_tokens: int
+    state_hit_tokens: int
+    flops_saved: float
+    inserted_pages: int
+    inserted_checkpoints: int
+    evicted_pages: int
+    evicted_checkpoints: int
+    pages_total: int
+    pages_free: int
+    pages_cached: int
+    pages_locked: int
+    checkpoints_total: int
+    checkpoints_free: int
+    checkpoints_cached: int
+    checkpoints_locked: int
+    active_total: int
+    active_free: int
+
+
+class Candidate(NamedTuple):
+    """Something the cache could evict, as a policy sees it.
+
+    saved_flops: prefill FLOPs a future request skips thanks to it (0 for KV with no
+                 checkpoint at its end); nbytes: bytes evicting it frees.
+    """
+
+    last_access: float
+    saved_flops: float
+    nbytes: int
+
+
+class EvictionPolicy(ABC):
+    """Orders eviction candidates; the cache evicts the lowest priority first."""
+
+    name: str
+
+    @abstractmethod
+    def scorer(self, candidates: Sequence[Candidate]) -> Callable[[Candidate], float]:
+        """A priority function fitted to one eviction round's candidates.
+
+        It is also applied to candidates that appear during the round (a parent whose last
+        child was evicted), so it must accept values outside the fitted range.
+        """
+
+
+class PrefixCache(ABC):
+    """A prefix cache over token ids for hybrid models (attention KV + recurrent checkpoints).
+
+    Contracts a caller may rely on:
+      * a match ends only at a checkpoint position: `state_len` is a multiple of
+        `granularity` with a checkpoint there, or 0; never more than len(tokens) - 1;
+      * nothing reachable from a locked node is evicted, pages or checkpoints;
+      * insert() never copies KV: it takes ownership of the caller's pages (see the map in
+        this module's docstring) and returns the page ids the caller must use;
+      * a checkpoint, once inserted, is never written again; restore() copies it out bit-exact;
+      * every method works without tensors (pools that only count).
+    """
+
+    @property
+    @abstractmethod
+    def granularity(self) -> int:
+        """G = max(kernel chunk, page_size): checkpoints exist only at multiples of G."""
+
+    @property
+    @abstractmethod
+    def evictable_pages(self) -> int:
+        """Pages the tree holds on unlocked nodes: what evict() could free now (for admission)."""
+
+    @abstractmethod
+    def match_prefix(self, tokens: Sequence[int], *, record_stats: bool = True) -> MatchResult:
+        """Longest cached prefix of tokens; counts a lookup in the stats when record_stats."""
+
+    @abstractmethod
+    def lock(self, node: Any) -> None:
+        """Pin node and its ancestors against eviction (counted: one unlock per lock)."""
+
+    @abstractmethod
+    def unlock(self, node: Any) -> None:
+        """Undo one lock(node); ValueError if node is not locked."""
+
+    @abstractmethod
+    def insert(
+        self,
+        tokens: Sequence[int],
+        kv_pages: Sequence[int],
+        checkpoints: Mapping[int, int] | None = None,
+    ) -> InsertResult:
+        """Move the KV pages of tokens (and checkpoint slots {pos: slot}) into the tree.
+
+        tokens: ids whose KV is written in kv_pages; kv_pages[i] holds tokens
+        [i * page_size, (i + 1) * page_size). Positions must be multiples of G within
+        (0, len(tokens) // page_size * page_size]; ValueError naming the argument otherwise.
+        """
+
+    @abstractmethod
+    def evict(self, num_pages: int = 0, num_checkpoints: int = 0) -> EvictResult:
+        """Free at least that many unlocked pages and checkpoint slots under the policy.
+
+        Evicting a node's KV evicts its checkpoint too; a checkpoint may go alone.
+        Frees less only when nothing unlocked is left.
+        """
+
+    @abstractmethod
+    def restore(self, checkpoint: Checkpoint, active_slot: int) -> None:
+        """Copy a checkpoint into a request's active slot (every linear layer, same dtype)."""
+
+    @abstractmethod
+    def alloc_pages(self, num_pages: int) -> list[int] | None:
+        """Pages for a request, evicting cached ones if needed; None if that is not enough."""
+
+    @abstractmethod
+    def alloc_checkpoint(self) -> int | None:
+        """A writable checkpoint slot, evicting one if needed; None if all are locked."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Free every page and checkpoint the tree holds; RuntimeError while anything is locked."""
+
+    @abstractmethod
+    def stats(self) -> CacheStats:
+        """Counters and pool usage now."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless the tree and both pools are consistent."""

@@ -1,0 +1,108 @@
+"""Eviction policies, selectable by name, and the FLOPs model they score with.
+
+    lru      evict the least recently used first.
+    utility  evict the lowest blend of (FLOPs a checkpoint saves per byte it holds) and
+             recency, each scaled to [0, 1] over the round's candidates; KV with no
+             checkpoint at its end saves nothing on its own and goes first.
+
+Policies see only `Candidate`s (no tree, no tensors), so they run on trace replays too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from state_cache.base import Candidate, EvictionPolicy
+
+FlopsFn = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class PrefillFlops:
+    """Prefill FLOPs of tokens [0, pos): per_token * pos + attn_quadratic * pos**2.
+
+    per_token covers the projections, MLPs and linear layers; attn_quadratic the causal
+    attention scores (about 2 * attention layers * heads * head_dim per token pair).
+    """
+
+    per_token: float
+    attn_quadratic: float = 0.0
+
+    def __post_init__(self):
+        if self.per_token < 0:
+            raise ValueError(f"per_token must be >= 0, got {self.per_token}")
+        if self.attn_quadratic < 0:
+            raise ValueError(f"attn_quadratic must be >= 0, got {self.attn_quadratic}")
+
+    def __call__(self, pos: int) -> float:
+        return self.per_token * pos + self.attn_quadratic * pos * pos
+
+
+def as_flops(flops: FlopsFn | tuple[float, float] | None) -> FlopsFn:
+    """A FLOPs function from a callable, a (per_token, attn_quadratic) pair, or None (1 per token)."""
+    if flops is None:
+        return PrefillFlops(1.0)
+    if callable(flops):
+        return flops
+    per_token, attn_quadratic = flops
+    return PrefillFlops(per_token, attn_quadratic)
+
+
+_POLICIES: dict[str, type[EvictionPolicy]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a policy selectable by `name`."""
+
+    def deco(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+        cls.name = name
+        _POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def policy_names() -> list[str]:
+    return sorted(_POLICIES)
+
+
+def make_policy(name: str, **kwargs) -> EvictionPolicy:
+    """The policy registered as `name`, built with kwargs; ValueError lists the known names."""
+    if name not in _POLICIES:
+        raise ValueError(f"policy: unknown eviction policy {name!r}; known: {', '.join(policy_names())}")
+    return _POLICIES[name](**kwargs)
+
+
+@register("lru")
+class LRUPolicy(EvictionPolicy):
+    def scorer(self, candidates: Sequence[Candidate]) -> Callable[[Candidate], float]:
+        return lambda c: c.last_access
+
+
+@register("utility")
+class UtilityPolicy(EvictionPolicy):
+    """priority = (1 - recency_weight) * utility / max utility + recency_weight * recency.
+
+    utility = saved_flops / nbytes; recency = (last_access - oldest) / (newest - oldest).
+    """
+
+    def __init__(self, recency_weight: float = 0.3):
+        if not 0.0 <= recency_weight <= 1.0:
+            raise ValueError(f"recency_weight must be in [0, 1], got {recency_weight}")
+        self.recency_weight = recency_weight
+
+    def scorer(self, candidates: Sequence[Candidate]) -> Callable[[Candidate], float]:
+        top = max((_utility(c) for c in candidates), default=0.0) or 1.0
+        oldest = min((c.last_access for c in candidates), default=0.0)
+        span = max((c.last_access for c in candidates), default=0.0) - oldest or 1.0
+        w = self.recency_weight
+
+        def priority(c: Candidate) -> float:
+            recency = min(max((c.last_access - oldest) / span, 0.0), 1.0)
+            return (1 - w) * min(_utility(c) / top, 1.0) + w * recency
+
+        return priority
+
+
+def _utility(c: Candidate) -> float:
+    return c.saved_flops / max(c.nbytes, 1)

@@ -1,0 +1,101 @@
+"""The radix tree's node and the structural operations on it (no pools, no policy).
+
+Every edge is a whole number of pages: node.key holds tokens [node.start, node.end) and
+node.pages their KV pages, one per page_size tokens. A node may own a checkpoint slot with
+the state after node.end tokens. Children are keyed by the first page of their key.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+
+class Node:
+    __slots__ = ("key", "pages", "parent", "children", "start", "checkpoint", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None, start: int, now: float):
+        self.key = key
+        self.pages = pages
+        self.parent = parent  # None for the root and for evicted nodes
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.start = start
+        self.checkpoint: int | None = None  # slot id
+        self.lock_ref = 0
+        self.last_access = now
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.key)
+
+    def __repr__(self) -> str:
+        return f"Node[{self.start}, {self.end}) ckpt={self.checkpoint} locks={self.lock_ref}"
+
+
+def ids(tokens: Sequence[int]) -> tuple[int, ...]:
+    """Token ids as a tuple (from a list, a tuple or a tensor)."""
+    return tuple(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
+
+
+def common_pages(key: tuple[int, ...], tokens: tuple[int, ...], pos: int, ps: int) -> int:
+    """How many tokens of key match tokens[pos:], rounded down to whole pages."""
+    if tokens[pos:pos + len(key)] == key:
+        return len(key)
+    n = 0
+    while n + ps <= len(key) and key[n:n + ps] == tokens[pos + n:pos + n + ps]:
+        n += ps
+    return n
+
+
+def walk(root: Node, tokens: tuple[int, ...], ps: int) -> tuple[list[Node], int]:
+    """Nodes along the cached path of tokens (the last may match only partly) and the matched length."""
+    node, pos, path = root, 0, []
+    while len(tokens) - pos >= ps:
+        child = node.children.get(tokens[pos:pos + ps])
+        if child is None:
+            break
+        n = common_pages(child.key, tokens, pos, ps)
+        path.append(child)
+        pos += n
+        if n < len(child.key):
+            break
+        node = child
+    return path, pos
+
+
+def split(child: Node, n: int, ps: int) -> Node:
+    """Cut child's edge after n tokens (whole pages); the new upper node inherits the locks.
+
+    The checkpoint stays on child, which still ends where it did.
+    """
+    upper = Node(child.key[:n], child.pages[: n // ps], child.parent, child.start, child.last_access)
+    upper.lock_ref = child.lock_ref
+    child.parent.children[child.key[:ps]] = upper
+    child.key, child.pages = child.key[n:], child.pages[n // ps:]
+    child.start, child.parent = child.start + n, upper
+    upper.children[child.key[:ps]] = child
+    return upper
+
+
+def node_at(root: Node, tokens: tuple[int, ...], pos: int, ps: int) -> Node:
+    """The node ending at pos on the cached path of tokens, splitting an edge if needed."""
+    node = root
+    while node.end < pos:
+        node = node.children[tokens[node.end:node.end + ps]]
+    return split(node, pos - node.start, ps) if node.end > pos else node
+
+
+def path_pages(node: Node) -> list[int]:
+    """KV pages from the root down to node, in token order."""
+    chain = []
+    while node.parent is not None:
+        chain.append(node.pages)
+        node = node.parent
+    return [p for pages in reversed(chain) for p in pages]
+
+
+def iter_nodes(root: Node) -> Iterator[Node]:
+    """Every node below root (not root itself)."""
+    stack = list(root.children.values())
+    while stack:
+        x = stack.pop()
+        stack.extend(x.children.values())
+        yield x

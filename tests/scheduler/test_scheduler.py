@@ -1,0 +1,147 @@
+import random
+
+import pytest
+
+from scheduler import POLICIES, Req, StepOutput
+from scheduler.policy import cut
+from tests.scheduler.helpers import make, prompt, req, run
+
+
+def _chunks(s, ex, reqs):
+    seen = []
+    orig = ex.run
+
+    def spy(batch):
+        seen.extend(batch.chunks)
+        return orig(batch)
+
+    ex.run = spy
+    run(s, ex, reqs, on_round=lambda sc: sc.check_integrity())
+    return seen
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_middle_chunks_end_on_the_grid(policy):
+    """Every chunk that does not end a prompt ends on a multiple of G, under every policy."""
+    s, ex = make(policy, token_budget=300, target_step=0.02)
+    rng = random.Random(1)
+    reqs = [req(f"r{i}", prompt(i, rng.randint(1, 900)), new=rng.randint(1, 8), at=i * 0.003) for i in range(20)]
+    chunks = _chunks(s, ex, reqs)
+    g = s.mem.g
+    assert any(not c.samples for c in chunks)  # the workload does cut prompts
+    assert all(c.end % g == 0 for c in chunks if not c.samples)
+    assert all(r.finished and len(r.output_ids) == r.max_new_tokens for r in reqs)
+    s.mem.cache.flush()
+    assert s.mem.kv.num_free == s.mem.kv.num_pages and s.mem.states.num_free_checkpoints == 64
+
+
+def test_cut_rule():
+    """cut() returns the fill end when reachable, else the last G multiple within reach (>= one G)."""
+    assert cut(0, 100, 90, 64) == 90
+    assert cut(0, 200, 1000, 64) == 192
+    assert cut(128, 10, 1000, 64) == 192  # less than a G step asked: one G step
+    assert cut(100, 10, 1000, 64) == 128  # unaligned start: back onto the grid
+
+
+def test_resend_resumes_from_deepest_checkpoint():
+    """An identical resend starts at the last G-position before its final token; nothing a
+    checkpoint holds is computed again."""
+    s, ex = make("serial")
+    p = prompt(7, 1000)
+    a = req("a", p)
+    run(s, ex, [a])
+    before = s.counters["prefill_tokens"]
+    b = req("b", p, at=ex.clock.now)
+    chunks = _chunks(s, ex, [b])
+    assert b.cached_tokens == (len(p) - 1) // 64 * 64 == 960
+    assert chunks[0].start == 960 and s.counters["prefill_tokens"] - before == len(p) - 960
+
+
+def test_next_turn_resumes_after_previous_output():
+    """A conversation's next turn (prompt + output + new text) hits the last G-position of the
+    previous turn's prompt + output (the rolling decode checkpoint)."""
+    s, ex = make("serial")
+    a = req("a", prompt(3, 200), new=70)
+    run(s, ex, [a])
+    turn2 = req("b", a.all_ids + prompt(4, 30), at=ex.clock.now)
+    run(s, ex, [turn2])
+    assert turn2.cached_tokens == (200 + 70 - 1) // 64 * 64 == 256
+
+
+def test_concurrent_identical_prompts_share_work():
+    """Checkpoint-aware cutting: a request whose own prefix was checkpointed further along by
+    another request jumps ahead instead of recomputing it."""
+    s, ex = make("serial", target_step=0.01)
+    p = prompt(5, 4000)
+    a, b = req("a", p), req("b", p, at=1e-4)
+    run(s, ex, [a, b], on_round=lambda sc: sc.check_integrity())
+    assert a.finished and b.finished
+    assert s.counters["prefill_tokens"] < 1.25 * len(p)
+
+
+def test_tokens_policy_one_partial_request():
+    """Under `tokens` at most one request is partially prefilled at any time."""
+    s, ex = make("tokens", token_budget=256)
+    reqs = [req(f"r{i}", prompt(i, 700), at=0.0) for i in range(6)]
+
+    def check(sc):
+        partial = [r for r in sc.running if 0 < r.prefix_len < r.fill_len or r.cached_tokens < r.extend_end
+                   < r.fill_len]
+        assert len(partial) <= 1
+
+    run(s, ex, reqs, on_round=check)
+    assert all(r.finished for r in reqs)
+
+
+def test_inflight_middle_chunks_with_lookahead():
+    """Scheduling the next round before the previous result returns: cursors run ahead, the
+    counter counts both chunks, and processing in order brings it back to zero."""
+    s, ex = make("tokens", token_budget=128)
+    r = req("r", prompt(1, 1000))
+    s.add(r)
+    b1 = s.schedule()
+    b2 = s.schedule()
+    assert [(c.start, c.end) for c in b1.chunks] == [(0, 128)]
+    assert [(c.start, c.end) for c in b2.chunks] == [(128, 256)]
+    assert r.inflight_middle_chunks == 2 and r.extend_end == 256 and r.prefix_len == 0
+    s.process(b1, ex.run(b1))
+    assert r.inflight_middle_chunks == 1 and r.prefix_len == 128
+    with pytest.raises(ValueError, match="scheduling order"):
+        s.process(s.schedule(), StepOutput([]))
+    s.process(b2, ex.run(b2))
+    assert r.prefix_len == 256 and r.inflight_middle_chunks == 1  # the third round is still out
+
+
+def test_abort_in_flight_frees_everything():
+    """Aborting a request whose chunk is in flight frees its pages and slot once the chunk returns."""
+    s, ex = make("tokens", token_budget=128)
+    r = req("r", prompt(1, 1000))
+    s.add(r)
+    b = s.schedule()
+    assert s.abort(r) and r.finish_reason == "abort"
+    assert s.mem.states.num_free_active == 15  # still held while in flight
+    s.process(b, ex.run(b))
+    s.check_integrity()
+    s.mem.cache.flush()
+    assert s.mem.kv.num_free == s.mem.kv.num_pages and s.mem.states.num_free_active == 16
+    assert not s.abort(r)
+
+
+def test_retraction_frees_and_request_completes():
+    """With decode space over-committed, the newest request is retracted when KV runs out; its
+    pages and slot go back, it is re-admitted from its cached prefix and completes."""
+    s, ex = make("budget", pages=30, token_budget=512, decode_reserve=0.25)
+    reqs = [req(f"r{i}", prompt(i, 300), new=300, at=0.0) for i in range(4)]
+    run(s, ex, reqs, on_round=lambda sc: sc.check_integrity())
+    assert s.counters["retractions"] > 0
+    assert all(r.finished and len(r.output_ids) == 300 for r in reqs)
+    assert any(r.retractions for r in reqs)
+    s.mem.cache.flush()
+    assert s.mem.kv.num_free == 30 and s.mem.states.num_free_active == 16
+
+
+def test_request_larger_than_pool_is_rejected():
+    """A request that can never fit the KV pool is refused at add() with a clear error."""
+    s, _ = make("serial", pages=4)
+    with pytest.raises(ValueError, match="exceeds the KV pool"):
+        s.add(Req("big", list(range(200)), 100))

@@ -1,0 +1,43 @@
+"""Checkpoint admission: which positions of a prefill round or a decode step get a checkpoint."""
+import pytest
+
+from state_cache import CheckpointAdmission, DecodeCheckpoint
+
+
+def test_prefill_admits_chunk_end_resend_point_and_branch():
+    """A round admits its grid-aligned end, the last G-position before the prompt's last token, the branch point."""
+    a = CheckpointAdmission(64)
+    assert a.prefill(0, 128, 300) == [128]  # a stashed middle chunk
+    assert a.prefill(128, 300, 300) == [256]  # last chunk: resend point floor(299 / 64) * 64
+    assert a.prefill(0, 300, 300, branch_pos=64) == [64, 256]
+    assert a.prefill(0, 256, 256) == [192, 256]  # G-aligned prompt end, and the resend point before it
+    assert a.prefill(0, 100, 300) == []  # an arbitrary cut is not checkpointed
+    assert a.prefill(256, 300, 300, branch_pos=64) == []  # nothing outside (start, end]
+    assert a.prefill(0, 50, 50) == []
+
+
+def test_prefill_interval_adds_every_interval_tokens():
+    """With an interval every multiple of it inside the round is admitted too."""
+    a = CheckpointAdmission(64, interval=128)
+    assert a.prefill(100, 700, 1000) == [128, 256, 384, 512, 640]
+    assert a.prefill(0, 1000, 1000) == list(range(128, 1000, 128)) + [960]
+
+
+def test_decode_keeps_latest_grid_point_and_interval_points():
+    """Decode: off-grid nothing, grid points rolling, interval points kept."""
+    a = CheckpointAdmission(64, interval=256)
+    assert [a.decode(p) for p in (63, 64, 128, 256, 300)] == [
+        DecodeCheckpoint.NONE, DecodeCheckpoint.ROLLING, DecodeCheckpoint.ROLLING,
+        DecodeCheckpoint.KEEP, DecodeCheckpoint.NONE,
+    ]
+    assert CheckpointAdmission(64).decode(256) is DecodeCheckpoint.ROLLING
+
+
+def test_admission_rejects_bad_arguments():
+    """interval must be a multiple of G; a round must lie inside the prompt."""
+    with pytest.raises(ValueError, match="interval"):
+        CheckpointAdmission(64, interval=96)
+    with pytest.raises(ValueError, match="granularity"):
+        CheckpointAdmission(0)
+    with pytest.raises(ValueError, match="start"):
+        CheckpointAdmission(64).prefill(10, 5, 20)

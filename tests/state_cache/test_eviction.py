@@ -1,0 +1,142 @@
+"""Eviction: locks hold under memory pressure, policies order victims, the registry by name."""
+import random
+
+import pytest
+import torch
+
+from state_cache import (
+    Candidate, KVPool, PrefillFlops, StatePool, StateRadixCache, make_policy, make_pools, plan_memory,
+    policy_names, register,
+)
+from state_cache.eviction import LRUPolicy, _POLICIES, as_flops
+from tests.state_cache.harness import KV_LAYERS, STATE_LAYERS, ToyEngine
+
+
+def _cache(policy, page=2, chunk=4, pages=64, ckpts=8, flops=(1.0, 1.0)) -> StateRadixCache:
+    return StateRadixCache(KVPool(pages, page, [{"kv": (1, 4)}]), StatePool(1, ckpts, STATE_LAYERS),
+                           {"kda": chunk}, policy=policy, flops=flops)
+
+
+def _insert(cache, tokens, ckpt_positions=()):
+    ckpts = {p: cache.alloc_checkpoint() for p in ckpt_positions}
+    return cache.insert(tokens, cache.alloc_pages(len(tokens) // cache.page_size), ckpts)
+
+
+@pytest.mark.parametrize("policy", ["lru", "utility"])
+def test_locked_prefixes_survive_eviction_under_a_byte_budget(policy):
+    """With pools sized from a byte budget, a workload that overflows them never evicts a locked node."""
+    plan = plan_memory(KV_LAYERS, STATE_LAYERS, budget_bytes=12_000, page_size=8, max_running=2,
+                       checkpoint_share=0.25, kv_dtype=torch.float64)
+    kv, st = make_pools(plan, KV_LAYERS, STATE_LAYERS, torch.float64, "cpu")
+    cache = StateRadixCache(kv, st, {"kda": 16}, policy=policy, flops=(1.0, 0.01))
+    engine = ToyEngine(cache, chunk=32, interval=32)
+    rng = random.Random(1)
+    held = [rng.randrange(100) for _ in range(100)]
+    engine.run(held, [1, 2])
+    pinned = cache.match_prefix(held)
+    cache.lock(pinned.node)
+    assert pinned.state_len == 96
+    for _ in range(25):
+        engine.run([rng.randrange(100) for _ in range(rng.randrange(20, 120))], [3, 4, 5])
+        cache.check_integrity()
+    s = cache.stats()
+    assert s.evicted_pages > 0 and s.evicted_checkpoints > 0
+    again = cache.match_prefix(held)
+    assert again == pinned
+    assert s.pages_locked == 12 and s.checkpoints_locked == 3
+    cache.unlock(pinned.node)
+
+
+def test_utility_prefers_low_utility_checkpoints_lru_prefers_old_ones():
+    """Under `utility` the checkpoint saving the fewest FLOPs per byte goes first; under `lru` the oldest."""
+    victims = {}
+    for policy in ("lru", "utility"):
+        cache = _cache(policy)
+        _insert(cache, list(range(32)), [32])  # old, saves prefill of 32 tokens
+        _insert(cache, list(range(100, 132)), [4])  # new, saves 4 tokens
+        assert cache.evict(num_checkpoints=1) == (0, 1)
+        left = [cache.match_prefix(list(start + i for i in range(32)) + [0]).state_len for start in (0, 100)]
+        victims[policy] = "deep" if left == [0, 4] else "shallow" if left == [32, 0] else left
+        cache.check_integrity()
+    assert victims == {"lru": "deep", "utility": "shallow"}
+
+
+def test_utility_evicts_kv_without_checkpoint_first():
+    """Under `utility` a KV-only leaf goes before an older leaf that holds a checkpoint; `lru` takes the older."""
+    for policy, survivor in (("lru", 100), ("utility", 0)):
+        cache = _cache(policy)
+        _insert(cache, list(range(8)), [8])
+        _insert(cache, list(range(100, 108)))
+        res = cache.evict(num_pages=1)
+        assert res.pages == 4
+        assert cache.match_prefix(list(range(survivor, survivor + 8))).kv_len == 8
+        cache.check_integrity()
+
+
+def test_kv_eviction_takes_its_checkpoint_and_a_checkpoint_can_go_alone():
+    """Evicting a node's pages frees its checkpoint; evicting a checkpoint alone keeps the KV."""
+    cache = _cache("lru")
+    tokens = list(range(16))
+    _insert(cache, tokens, [8, 16])
+    cache.match_prefix(tokens[:9])  # [0, 8) is now newer than [8, 16)
+    assert cache.evict(num_checkpoints=1) == (0, 1)
+    m = cache.match_prefix(tokens + [1])
+    assert (m.kv_len, m.state_len) == (16, 8)
+    assert cache.evict(num_pages=8) == (8, 1)
+    assert cache.stats().checkpoints_cached == 0 and cache.kv_pool.num_free == 64
+    cache.check_integrity()
+
+
+def test_eviction_only_frees_whole_unlocked_leaves_first():
+    """A shared prefix is not evicted while a longer branch below it still holds pages."""
+    cache = _cache("lru")
+    _insert(cache, list(range(8)) + [50] * 8)
+    _insert(cache, list(range(8)) + [60] * 8)
+    cache.match_prefix(list(range(8)) + [60] * 8)
+    assert cache.evict(num_pages=1) == (4, 0)
+    assert cache.match_prefix(list(range(8)) + [60] * 8).kv_len == 16
+    assert cache.match_prefix(list(range(8)) + [50] * 8).kv_len == 8
+
+
+def test_policy_registry_by_name():
+    """Policies are chosen by name; an unknown name lists the known ones; register adds one."""
+    assert {"lru", "utility"} <= set(policy_names())
+    with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; known: .*lru.*utility"):
+        make_policy("fifo")
+    with pytest.raises(ValueError, match="policy: unknown"):
+        _cache("fifo")
+
+    @register("newest_first")
+    class NewestFirst(LRUPolicy):
+        def scorer(self, candidates):
+            return lambda c: -c.last_access
+
+    try:
+        cache = _cache("newest_first")
+        _insert(cache, list(range(8)))
+        _insert(cache, list(range(100, 108)))
+        cache.evict(num_pages=1)
+        assert cache.match_prefix(list(range(8))).kv_len == 8
+    finally:
+        del _POLICIES["newest_first"]
+
+
+def test_utility_scorer_blends_flops_per_byte_with_recency():
+    """priority = (1 - w) * utility / max + w * recency, clamped for candidates outside the fitted range."""
+    cands = [Candidate(0.0, 100.0, 10), Candidate(10.0, 10.0, 10), Candidate(5.0, 0.0, 10)]
+    score = make_policy("utility", recency_weight=0.5).scorer(cands)
+    assert [score(c) for c in cands] == [0.5, 0.5 * 0.1 + 0.5, 0.25]
+    assert score(Candidate(20.0, 1e9, 1)) == 1.0
+    assert make_policy("utility", recency_weight=0.0).scorer([])(Candidate(1.0, 0.0, 0)) == 0.0
+    with pytest.raises(ValueError, match="recency_weight"):
+        make_policy("utility", recency_weight=1.5)
+
+
+def test_flops_models():
+    """FLOPs come from a callable, a (per_token, attn_quadratic) pair, or default to one per token."""
+    assert PrefillFlops(3.0, 0.5)(4) == 12.0 + 8.0
+    assert as_flops((3.0, 0.5))(4) == 20.0
+    assert as_flops(lambda p: p ** 3)(2) == 8
+    assert as_flops(None)(7) == 7.0
+    with pytest.raises(ValueError, match="attn_quadratic"):
+        PrefillFlops(1.0, -1.0)

@@ -1,0 +1,218 @@
+"""StateRadixCache: grid, matching, insert ownership, splits, locks, stats."""
+import random
+
+import pytest
+
+from state_cache import KVPool, StatePool, StateRadixCache, granularity
+from tests.state_cache.harness import ToyEngine, make_cache
+
+
+def _cache(page=2, chunk=4, pages=64, ckpts=8, **kw) -> StateRadixCache:
+    return StateRadixCache(KVPool(pages, page), StatePool(2, ckpts), {"kda": chunk}, **kw)
+
+
+def _insert(cache, tokens, ckpt_positions=()):
+    pages = cache.alloc_pages(len(tokens) // cache.page_size)
+    ckpts = {p: cache.alloc_checkpoint() for p in ckpt_positions}
+    return cache.insert(tokens, pages, ckpts)
+
+
+@pytest.mark.parametrize("page,chunks,g", [(16, {"kda": 64}, 64), (128, {"kda": 64}, 128), (1, {"gdn": 64}, 64),
+                                           (64, {"mamba2": 256, "kda": 64}, 256)])
+def test_granularity_is_max_of_chunk_and_page(page, chunks, g):
+    """G = max(kernel chunk, page_size) over every linear-layer kind."""
+    assert granularity(page, chunks) == g
+    assert _cache(page=page, chunk=max(chunks.values())).granularity == max(page, *chunks.values())
+
+
+@pytest.mark.parametrize("page,chunks,field", [(48, {"kda": 64}, "kernel_chunks\\['kda'\\]"),
+                                               (64, {"mamba2": 96}, "kernel_chunks\\['mamba2'\\]"),
+                                               (32, {"kda": 64, "mamba2": 96}, "kernel_chunks\\['kda'\\]"),
+                                               (0, {"kda": 64}, "page_size")])
+def test_granularity_rejects_indivisible_sizes(page, chunks, field):
+    """A chunk and page size that do not divide each other raise ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        granularity(page, chunks)
+
+
+def test_match_never_resumes_at_the_last_token():
+    """state_len <= len(tokens) - 1 even when a checkpoint sits exactly at len(tokens)."""
+    cache = _cache()
+    tokens = list(range(12))
+    _insert(cache, tokens, [4, 8, 12])
+    assert cache.match_prefix(tokens).state_len == 8
+    assert cache.match_prefix(tokens + [99]).state_len == 12
+    assert cache.match_prefix(tokens[:9]).state_len == 8
+    assert cache.match_prefix(tokens[:8]).state_len == 4
+    assert cache.match_prefix([]).state_len == 0
+
+
+def test_split_keeps_checkpoints_and_locks():
+    """Splitting an edge (by a branch or a new checkpoint) keeps every checkpoint and lock in place."""
+    cache = _cache()
+    a = list(range(16))
+    res = _insert(cache, a, [12])
+    cache.lock(res.node)
+    _insert(cache, a[:6] + [50] * 10, [4])  # branches at 6: splits at 6 and at 4
+    _insert(cache, a, [8])  # checkpoint inside the lower edge: splits at 8
+    assert [cache.match_prefix(a[:p] + [99]).state_len for p in (4, 8, 12, 16)] == [4, 8, 12, 12]
+    assert cache.stats().pages_locked == 8
+    cache.check_integrity()
+    cache.unlock(res.node)
+    assert cache.stats().pages_locked == 0
+    cache.check_integrity()
+
+
+def test_insert_transfers_pages_and_frees_duplicates():
+    """Insert adopts new pages, frees the caller's copies of cached ones, leaves the partial page alone."""
+    cache = _cache()
+    tokens = list(range(9))
+    first = cache.insert(tokens, cache.alloc_pages(5))
+    assert (first.new_pages, first.freed_pages, len(first.pages)) == (4, 0, 4)
+    assert cache.kv_pool.num_used == 5  # 4 in the tree + the caller's partial page
+    mine = cache.alloc_pages(5)
+    second = cache.insert(tokens + [9], mine)
+    assert (second.new_pages, second.freed_pages) == (1, 4)
+    assert second.pages == first.pages + [mine[4]]
+    assert cache.kv_pool.num_used == 6
+    again = cache.insert(tokens + [9], second.pages)  # the tree's own pages: a no-op
+    assert (again.new_pages, again.freed_pages, again.pages) == (0, 0, second.pages)
+    cache.check_integrity()
+
+
+def test_duplicate_checkpoint_is_freed_by_insert():
+    """A checkpoint for a position the tree already holds is freed there, the cached one stays."""
+    cache = _cache()
+    tokens = list(range(8))
+    first = _insert(cache, tokens, [4])
+    second = _insert(cache, tokens, [4, 8])
+    assert (first.new_checkpoints, second.new_checkpoints, second.freed_checkpoints) == (1, 1, 1)
+    assert cache.stats().checkpoints_cached == 2 and cache.state_pool.num_free_checkpoints == 6
+    cache.check_integrity()
+
+
+def test_bad_insert_raises_and_leaves_the_tree_intact():
+    """Invalid positions, slots or pages raise ValueError naming the argument; nothing changes."""
+    cache = _cache()
+    tokens = list(range(8))
+    tree_pages = _insert(cache, tokens, [4]).pages
+    slot, pages = cache.alloc_checkpoint(), cache.alloc_pages(4)
+    before = cache.stats()
+    cases = [
+        ((tokens, pages, {6: slot}), "checkpoints: position 6"),
+        ((tokens, pages, {12: slot}), "checkpoints: position 12"),
+        ((tokens, pages, {4: 0}), "checkpoints: slot 0"),
+        ((tokens, pages[:3], {}), "kv_pages: 3 pages"),
+        ((tokens, [pages[0]] * 4, {}), "kv_pages: a page appears twice"),
+        ((list(range(100, 108)), tree_pages, {}), "kv_pages: page 0 belongs to the tree"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            cache.insert(*args)
+    assert cache.stats() == before
+    cache.kv_pool.free(pages)
+    cache.state_pool.free(slot)
+    cache.check_integrity()
+
+
+def test_locks_are_counted_and_checked():
+    """Unlock without lock and lock of an evicted node raise; nested locks need as many unlocks."""
+    cache = _cache()
+    res = _insert(cache, list(range(8)), [8])
+    with pytest.raises(ValueError, match="node: unlock without a matching lock"):
+        cache.unlock(res.node)
+    cache.lock(res.node)
+    cache.lock(res.node)
+    cache.unlock(res.node)
+    assert cache.evict(num_pages=10).pages == 0
+    cache.unlock(res.node)
+    assert cache.evict(num_pages=10).pages == 4
+    with pytest.raises(ValueError, match="node: it was evicted"):
+        cache.lock(res.node)
+    cache.check_integrity()
+
+
+def test_branch_pos_marks_where_a_sequence_leaves_a_cached_path():
+    """branch_pos is the G-position at or before the divergence; 0 for extensions and prefixes."""
+    cache = _cache()
+    base = list(range(20))
+    _insert(cache, base)
+    assert cache.match_prefix(base[:10] + [77] * 6).branch_pos == 8
+    assert cache.match_prefix(base[:11] + [77]).branch_pos == 8
+    assert cache.match_prefix(base + [77] * 6).branch_pos == 0  # extends the path
+    assert cache.match_prefix(base[:13]).branch_pos == 0  # ends on it
+    _insert(cache, base[:12] + [55] * 4)
+    assert cache.match_prefix(base[:12] + [66] * 4).branch_pos == 12  # leaves at a node with children
+
+
+def test_stats_split_kv_hits_from_state_hits():
+    """Stats count KV-hit and state-hit tokens separately, FLOPs saved and pool usage."""
+    cache = _cache(flops=(2.0, 1.0))
+    tokens = list(range(14))
+    _insert(cache, tokens, [4])
+    cache.match_prefix(tokens + [1])
+    cache.match_prefix(tokens, record_stats=False)
+    s = cache.stats()
+    assert (s.lookups, s.lookup_tokens, s.kv_hit_tokens, s.state_hit_tokens) == (1, 15, 14, 4)
+    assert s.flops_saved == 2.0 * 4 + 16.0
+    assert (s.pages_cached, s.pages_free, s.checkpoints_cached, s.active_free) == (7, 57, 1, 2)
+
+
+def test_alloc_evicts_cached_data_but_not_locked_data():
+    """alloc_pages / alloc_checkpoint evict unlocked entries when short and return None when all are locked."""
+    cache = _cache(pages=8, ckpts=1)
+    res = _insert(cache, list(range(16)), [16])
+    assert cache.kv_pool.num_free == 0
+    cache.lock(res.node)
+    assert cache.alloc_pages(1) is None and cache.alloc_checkpoint() is None
+    cache.unlock(res.node)
+    assert len(cache.alloc_pages(3)) == 3 and cache.stats().checkpoints_cached == 0
+    assert cache.alloc_checkpoint() is not None
+
+
+def test_flush_refuses_while_locked_then_frees_everything():
+    """flush raises while a node is locked; afterwards every page and slot is free."""
+    cache = make_cache(4, 8)
+    engine = ToyEngine(cache, chunk=16)
+    engine.run(list(range(40)), [1, 2, 3])
+    m = cache.match_prefix(list(range(40)))
+    cache.lock(m.node)
+    with pytest.raises(RuntimeError, match="locked"):
+        cache.flush()
+    cache.unlock(m.node)
+    cache.flush()
+    cache.check_integrity()
+    assert cache.kv_pool.num_free == cache.kv_pool.num_pages
+    assert cache.state_pool.num_free_checkpoints == cache.state_pool.num_checkpoints
+    assert cache.state_pool.num_free_active == cache.state_pool.num_active
+
+
+def test_no_tensor_cache_behaves_like_the_tensor_cache():
+    """On the same workload a counting-only cache gives the same matches and stats as one with tensors."""
+    rng = random.Random(0)
+    base = [rng.randrange(50) for _ in range(200)]
+    prompts = [base[: rng.randrange(20, 200)] + [rng.randrange(50) for _ in range(rng.randrange(1, 40))]
+               for _ in range(12)]
+    results = []
+    for tensors in (True, False):
+        cache = make_cache(8, 16, num_tokens=384, num_checkpoints=6, tensors=tensors, policy="utility")
+        engine = ToyEngine(cache, chunk=32)
+        matches = [engine.run(p, [1, 2, 3]).match[:2] for p in prompts]
+        cache.check_integrity()
+        results.append((matches, cache.stats()))
+    assert results[0] == results[1]
+    assert results[0][1].evicted_pages > 0 and results[0][1].state_hit_tokens > 0
+
+
+def test_restore_refuses_a_stale_checkpoint():
+    """restore() of a checkpoint the cache no longer holds at that position raises instead of copying."""
+    cache = _cache(ckpts=1)
+    tokens = list(range(8))
+    _insert(cache, tokens, [4])
+    m = cache.match_prefix(tokens)
+    assert cache.evict(num_checkpoints=1) == (0, 1)
+    _insert(cache, list(range(100, 108)), [8])  # the same slot, now at another position
+    slot = cache.state_pool.alloc_active()
+    with pytest.raises(ValueError, match="not in the cache"):
+        cache.restore(m.checkpoint, slot)
+    cache.restore(cache.match_prefix(list(range(100, 109))).checkpoint, slot)
