@@ -43,12 +43,14 @@ class SimRun:
 
 
 def simulate(scheduler: Scheduler, executor: SimExecutor, arrivals: Iterable[Req],
-             until: float = float("inf"), on_round: Callable[[Scheduler], None] | None = None) -> SimRun:
-    """Feed requests at their `arrival` times and step until all finish (or `until`)."""
+             until: float = float("inf"), on_round: Callable[[Scheduler], None] | None = None,
+             stop: Callable[[], bool] | None = None) -> SimRun:
+    """Feed requests at their `arrival` times and step until all finish, the clock reaches
+    `until`, or `stop()` says so."""
     clock = executor.clock
     pending = sorted(arrivals, key=lambda r: r.arrival)
     run, i = SimRun(list(pending)), 0
-    while clock.now < until:
+    while clock.now < until and not (stop and stop()):
         while i < len(pending) and pending[i].arrival <= clock.now:
             scheduler.add(pending[i])
             i += 1

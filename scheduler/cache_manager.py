@@ -26,13 +26,12 @@ class CacheManager:
         self.admission = CheckpointAdmission(self.g, checkpoint_interval)
 
     def match(self, req: Req, record: bool = True) -> MatchResult:
-        return self.cache.match_prefix(req.all_ids[: req.fill_len], record_stats=record)
+        """The cached prefix of req's fill ids (walked from the node req holds, if any)."""
+        return self.cache.match_prefix(req.token_ids(req.fill_len), record_stats=record, start=req.node)
 
-    def continues_below(self, req: Req) -> bool:
-        """Whether the tree holds more of req's fill than the node req holds (cheap test)."""
-        node = req.node if req.node is not None else self.cache.root
-        nxt = tuple(req.all_ids[node.end: node.end + self.page_size])
-        return len(nxt) == self.page_size and nxt in node.children
+    def deeper_cached(self, req: Req) -> bool:
+        """Whether the tree may hold more of req's fill than req does (an O(page) test)."""
+        return self.cache.continues(req.node or self.cache.root, req.token_ids(req.fill_len))
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)
@@ -50,9 +49,10 @@ class CacheManager:
 
     def adopt(self, req: Req, m: MatchResult) -> None:
         """Resume req at m.state_len: copy the checkpoint in, use the tree's pages below it."""
-        self.cache.lock(m.node)
-        if req.node is not None:
-            self.cache.unlock(req.node)
+        if req.node is None:
+            self.cache.lock(m.node)
+        else:
+            self.cache.relock(req.node, m.node)
         req.node = m.node
         if m.checkpoint is not None:
             self.cache.restore(m.checkpoint, req.state_slot)
@@ -84,10 +84,9 @@ class CacheManager:
 
     def stash(self, req: Req, end: int, checkpoints=()) -> None:
         """Chunk [.., end) is final: move its full pages and checkpoints into the tree."""
-        r = self.cache.insert(req.all_ids[:end], req.kv_pages, dict(checkpoints))
-        req.kv_pages[: len(r.pages)] = r.pages
-        self.cache.lock(r.node)
-        self.cache.unlock(req.node)
+        r = self.cache.insert(req.token_ids(end), req.kv_pages, dict(checkpoints), start=req.node)
+        req.kv_pages[r.first_page: r.first_page + len(r.pages)] = r.pages
+        self.cache.relock(req.node, r.node)
         req.node = r.node
 
     def after_decode(self, req: Req) -> None:

@@ -52,6 +52,7 @@ class Req:
 
     def __post_init__(self):
         self._ids = list(self.input_ids) + list(self.output_ids)
+        self._tuple: tuple[int, ...] | None = None
         if not self.input_ids:
             raise ValueError("input_ids: a request needs at least one token")
         if self.max_new_tokens < 1:
@@ -65,6 +66,13 @@ class Req:
     def append(self, token: int) -> None:
         self.output_ids.append(token)
         self._ids.append(token)
+        self._tuple = None
+
+    def token_ids(self, end: int) -> tuple[int, ...]:
+        """all_ids[:end] as a tuple (what the cache keys on); the full tuple is built once."""
+        if self._tuple is None:
+            self._tuple = tuple(self._ids)
+        return self._tuple if end == len(self._tuple) else self._tuple[:end]
 
     @property
     def prompt_len(self) -> int:

@@ -184,12 +184,9 @@ class Scheduler:
         return sum(self.mem.future_pages(r, self.decode_reserve) for r in self.running)
 
     def _resume_from_cache(self, r: Req) -> None:
-        """Checkpoint-aware cutting: jump ahead if a deeper checkpoint of r's own prefix exists.
-
-        Only another request can have put one there, and then the tree goes on below the node
-        r holds along r's next page: that O(page) test spares a full match every round.
-        """
-        if not self.mem.continues_below(r):
+        """Checkpoint-aware cutting: jump ahead if a deeper checkpoint of r's own prefix exists
+        (another request put it there); the match walks from the node r holds."""
+        if not self.mem.deeper_cached(r):
             return
         m = self.mem.match(r, record=False)
         if m.state_len > r.prefix_len:

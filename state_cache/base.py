@@ -60,8 +60,9 @@ class InsertResult(NamedTuple):
     """Outcome of insert(): the tree now owns pages for tokens [0, node.end).
 
     node:  the node ending at len(tokens) // page_size * page_size (lock it to keep using them).
-    pages: the tree's pages for that prefix; the caller's page table must use these from now
-           on (a page of the caller that duplicated one of the tree's has been freed).
+    pages: the tree's pages for tokens [first_page * page_size, node.end); the caller's page
+           table must use these from now on (a page of the caller that duplicated one of the
+           tree's has been freed). first_page is 0 unless insert() was given a `start` node.
     """
 
     node: Any
@@ -70,6 +71,7 @@ class InsertResult(NamedTuple):
     freed_pages: int
     new_checkpoints: int
     freed_checkpoints: int
+    first_page: int = 0
 
 
 class EvictResult(NamedTuple):

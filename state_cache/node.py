@@ -46,8 +46,9 @@ def common_pages(key: tuple[int, ...], tokens: tuple[int, ...], pos: int, ps: in
 
 
 def walk(root: Node, tokens: tuple[int, ...], ps: int) -> tuple[list[Node], int]:
-    """Nodes along the cached path of tokens (the last may match only partly) and the matched length."""
-    node, pos, path = root, 0, []
+    """Nodes along the cached path of tokens below `root` (a node on that path, whose key the
+    caller has checked), the last possibly matching only partly, and the matched length."""
+    node, pos, path = root, root.end, []
     while len(tokens) - pos >= ps:
         child = node.children.get(tokens[pos:pos + ps])
         if child is None:
@@ -81,6 +82,13 @@ def node_at(root: Node, tokens: tuple[int, ...], pos: int, ps: int) -> Node:
     while node.end < pos:
         node = node.children[tokens[node.end:node.end + ps]]
     return split(node, pos - node.start, ps) if node.end > pos else node
+
+
+def ancestors(node: Node) -> Iterator[Node]:
+    """node, its parent, ... up to (not including) the root."""
+    while node.parent is not None:
+        yield node
+        node = node.parent
 
 
 def path_pages(node: Node) -> list[int]:

@@ -19,7 +19,7 @@ from state_cache.base import (
 )
 from state_cache.eviction import FlopsFn, as_flops, make_policy
 from state_cache.kv_pool import KVPool
-from state_cache.node import Node, common_pages, ids, iter_nodes, node_at, path_pages, split, walk
+from state_cache.node import Node, ancestors, common_pages, ids, iter_nodes, node_at, path_pages, split, walk
 from state_cache.state_pool import StatePool
 
 
@@ -68,17 +68,22 @@ class StateRadixCache(PrefixCache):
 
     # -- lookup ---------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int], *, record_stats: bool = True) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], *, record_stats: bool = True, start: Node | None = None
+                     ) -> MatchResult:
+        """See PrefixCache.match_prefix. `start`: a node on tokens' path that the caller holds
+        locked (e.g. the node its last insert returned); the walk begins there, so the cost is
+        that of the tokens below it, and the result is the same as without it."""
         tokens = ids(tokens)
-        path, kv_len = walk(self.root, tokens, self.page_size)
+        base = self._start(start, tokens)
+        path, kv_len = walk(base, tokens, self.page_size)
         now = self._clock()
-        node, held = self.root, []
+        limit = min(kv_len, len(tokens) - 1)
+        node = next((x for x in reversed(path) if x.end <= limit and x.checkpoint is not None), None)
         for x in path:
             x.last_access = now
-            if x.end <= min(kv_len, len(tokens) - 1):
-                held.extend(x.pages)
-                node = x if x.checkpoint is not None else node
-        last = path[-1] if path else self.root
+        if node is None:  # nothing deeper than start: the deepest checkpoint at or above it
+            node = next((x for x in ancestors(base) if x.end <= limit and x.checkpoint is not None), self.root)
+        last = path[-1] if path else base
         branch = kv_len // self._g * self._g if self._leaves_path(tokens, last, kv_len) else 0
         ckpt = Checkpoint(node.checkpoint, node.end) if node.checkpoint is not None else None
         if record_stats:
@@ -88,7 +93,22 @@ class StateRadixCache(PrefixCache):
             c["kv_hit_tokens"] += kv_len
             c["state_hit_tokens"] += node.end
             c["flops_saved"] += self.flops(node.end)
-        return MatchResult(kv_len, node.end, node, ckpt, held[: node.end // self.page_size], branch)
+        return MatchResult(kv_len, node.end, node, ckpt, path_pages(node), branch)
+
+    def continues(self, node: Node, tokens: Sequence[int]) -> bool:
+        """Whether the tree holds the page of `tokens` right after `node` (a node on their path):
+        an O(page) test for "a deeper match may exist" before paying for match_prefix."""
+        nxt = ids(tokens[node.end: node.end + self.page_size])
+        return len(nxt) == self.page_size and nxt in node.children
+
+    def _start(self, start: Node | None, tokens: tuple[int, ...]) -> Node:
+        if start is None or start is self.root:
+            return self.root
+        if start.parent is None or start.lock_ref == 0:
+            raise ValueError("start: pass a node the caller holds locked (this one is evicted or unlocked)")
+        if tokens[start.start:start.end] != start.key:
+            raise ValueError(f"start: node [{start.start}, {start.end}) is not on the path of these tokens")
+        return start
 
     def _leaves_path(self, tokens: tuple[int, ...], last: Node, kv_len: int) -> bool:
         """Whether tokens go on past kv_len where the tree continues differently (a branch point)."""
@@ -122,6 +142,23 @@ class StateRadixCache(PrefixCache):
                 self._locked_ckpts -= node.checkpoint is not None
             node = node.parent
 
+    def relock(self, old: Node, new: Node) -> None:
+        """lock(new) then unlock(old), in O(distance) when new lies below old (a request moving
+        its lock down its own path chunk after chunk)."""
+        x, steps = new, []
+        while x is not old and x.parent is not None:
+            steps.append(x)
+            x = x.parent
+        if x is not old:  # not below old
+            self.lock(new)
+            self.unlock(old)
+            return
+        for y in steps:
+            if y.lock_ref == 0:
+                self._locked_pages += len(y.pages)
+                self._locked_ckpts += y.checkpoint is not None
+            y.lock_ref += 1
+
     # -- insert ---------------------------------------------------------------------------
 
     def insert(
@@ -129,14 +166,22 @@ class StateRadixCache(PrefixCache):
         tokens: Sequence[int],
         kv_pages: Sequence[int],
         checkpoints: Mapping[int, int] | None = None,
+        *,
+        start: Node | None = None,
     ) -> InsertResult:
+        """See PrefixCache.insert. `start`: a locked node on tokens' path whose pages the
+        caller's page table already holds (as after a previous insert); the tree is walked from
+        there, so a long request stashing chunk after chunk pays for its new pages only."""
         ps = self.page_size
         length = len(tokens) // ps * ps
         tokens, mine = ids(tokens)[:length], list(ids(kv_pages[: length // ps]))
         checkpoints = dict(checkpoints or {})
-        self._check_insert(tokens, mine, checkpoints)
+        base = self._start(start, tokens)
+        if base.end > length:
+            raise ValueError(f"start: node ends at {base.end}, past the {length} tokens inserted")
+        self._check_insert(tokens, mine, checkpoints, base)
         now = self._clock()
-        node, pos, dups, new = self.root, 0, [], 0
+        node, pos, dups, new, got = base, base.end, [], 0, []
         while pos < length:
             child = node.children.get(tokens[pos:pos + ps])
             if child is None:  # the rest is new: one leaf
@@ -152,11 +197,12 @@ class StateRadixCache(PrefixCache):
                 if theirs != child.pages:
                     dups += [m for m, t in zip(theirs, child.pages) if m != t]
             child.last_access = now
+            got += child.pages
             node, pos = child, child.end
         freed = self.kv_pool.free(dups)
         added = dropped = 0
         for p, slot in sorted(checkpoints.items()):
-            at = node_at(self.root, tokens, p, ps)
+            at = node_at(base if p >= base.end else self.root, tokens, p, ps)
             if at.checkpoint is None:
                 at.checkpoint = slot
                 self.state_pool.seal(slot)
@@ -168,17 +214,22 @@ class StateRadixCache(PrefixCache):
                 dropped += 1
         self._counters["inserted_pages"] += new
         self._counters["inserted_checkpoints"] += added
-        return InsertResult(node, path_pages(node), new, freed, added, dropped)
+        return InsertResult(node, got, new, freed, added, dropped, base.end // ps)
 
-    def _check_insert(self, tokens: tuple[int, ...], mine: list[int], checkpoints: dict[int, int]) -> None:
+    def _check_insert(self, tokens: tuple[int, ...], mine: list[int], checkpoints: dict[int, int],
+                      base: Node) -> None:
         """Validate everything before the tree changes, so a bad call leaves it intact."""
         ps = self.page_size
         if len(mine) < len(tokens) // ps:
             raise ValueError(f"kv_pages: {len(mine)} pages for {len(tokens)} tokens of page_size {ps}")
         if len(set(mine)) != len(mine):
             raise ValueError("kv_pages: a page appears twice")
-        path, kv_len = walk(self.root, tokens, self.page_size)
-        tree = [p for x in path for p in x.pages][: kv_len // ps]
+        below = base.end // ps
+        if base is not self.root and mine[below - 1] != base.pages[-1]:
+            raise ValueError(f"kv_pages: page {below - 1} is not the tree's page at the end of start")
+        path, kv_len = walk(base, tokens, self.page_size)
+        tree = [p for x in path for p in x.pages][: (kv_len - base.end) // ps]
+        mine = mine[below:]  # below start: the tree's pages (checked at the boundary)
         same = len(tree) if mine[: len(tree)] == tree else 0  # the tree's own pages, from a match
         for i, p in enumerate(mine[same:], start=same):
             if i < len(tree) and tree[i] == p:
@@ -190,6 +241,8 @@ class StateRadixCache(PrefixCache):
         if len(set(checkpoints.values())) != len(checkpoints):
             raise ValueError("checkpoints: a slot appears twice")
         cached = {x.end: x.checkpoint for x in path if x.end <= kv_len}
+        if any(p <= base.end for p in checkpoints):  # positions at or above start: climb once
+            cached.update((x.end, x.checkpoint) for x in ancestors(base))
         st = self.state_pool
         for p, slot in checkpoints.items():
             if not 0 < p <= len(tokens) or p % self._g:

@@ -216,3 +216,50 @@ def test_restore_refuses_a_stale_checkpoint():
     with pytest.raises(ValueError, match="not in the cache"):
         cache.restore(m.checkpoint, slot)
     cache.restore(cache.match_prefix(list(range(100, 109))).checkpoint, slot)
+
+
+def _stash_chunks(cache, tokens, cuts, start_hint: bool):
+    """Insert a growing request chunk by chunk (checkpoint at each cut), as the scheduler does."""
+    pages, node, ps = [], cache.root, cache.page_size
+    cache.lock(node)
+    for end in cuts:
+        pages += cache.alloc_pages(end // ps - len(pages))
+        r = cache.insert(tokens[:end], pages, {end: cache.alloc_checkpoint()}, start=node if start_hint else None)
+        pages[r.first_page: r.first_page + len(r.pages)] = r.pages
+        cache.relock(node, r.node)
+        node = r.node
+        cache.check_integrity()
+    return node, pages
+
+
+def test_insert_and_match_from_a_start_node_equal_from_the_root():
+    """Walking from the node a request holds gives the same tree, pages, checkpoints and matches
+    as walking from the root; relock moves the lock down the path with exact accounting."""
+    tokens = list(range(100, 164))
+    cuts = [8, 16, 32, 48, 64]
+    a, b = _cache(pages=64, ckpts=16), _cache(pages=64, ckpts=16)
+    node_a, pages_a = _stash_chunks(a, tokens, cuts, start_hint=True)
+    node_b, pages_b = _stash_chunks(b, tokens, cuts, start_hint=False)
+    assert pages_a == pages_b and node_a.end == node_b.end == 64
+    assert a.stats() == b.stats() and a.stats().pages_locked == 32
+    query = tokens + [999]
+    ma, mb = a.match_prefix(query, start=node_a), b.match_prefix(query)
+    assert (ma.kv_len, ma.state_len, ma.pages, ma.checkpoint) == (mb.kv_len, mb.state_len, mb.pages, mb.checkpoint)
+    assert not a.continues(node_a, query) and a.continues(a.root, query)
+    a.unlock(node_a)
+    a.flush()
+    a.check_integrity()
+    assert a.kv_pool.num_free == 64
+
+
+def test_bad_start_node_is_refused():
+    """A start node that is unlocked or not on the tokens' path is a ValueError; the tree is intact."""
+    cache = _cache()
+    r = _insert(cache, list(range(8)), [4])
+    with pytest.raises(ValueError, match="start: pass a node the caller holds locked"):
+        cache.match_prefix(list(range(9)), start=r.node)
+    cache.lock(r.node)
+    with pytest.raises(ValueError, match="not on the path"):
+        cache.match_prefix([5] * 9, start=r.node)
+    cache.unlock(r.node)
+    cache.check_integrity()
