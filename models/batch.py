@@ -78,9 +78,11 @@ class ForwardBatch:
 
     @classmethod
     def build(
-        cls, segments: Sequence[Segment], memory: Memory, device="cpu", all_logits: bool = False
+        cls, segments: Sequence[Segment], memory: Memory, device="cpu", all_logits: bool = False,
+        logits_for: Sequence[int] | None = None,
     ) -> "ForwardBatch":
-        """Flatten segments into tensors. Logits: last token of each segment, or all tokens."""
+        """Flatten segments into tensors. Logits: at the last token of the segments listed in
+        `logits_for` (default: every segment), or at every token with `all_logits`."""
         if not segments:
             raise ValueError("segments: a batch needs at least one segment")
         ps = memory.page_size
@@ -107,7 +109,8 @@ class ForwardBatch:
                 ck_slots.append(slot)
         width = max(len(s.pages) for s in segments)
         table = [list(s.pages) + [0] * (width - len(s.pages)) for s in segments]
-        logits_at = list(range(cu[-1])) if all_logits else [c - 1 for c in cu[1:]]
+        wanted = range(len(segments)) if logits_for is None else logits_for
+        logits_at = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i in wanted]
 
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=device)

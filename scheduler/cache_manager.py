@@ -24,14 +24,16 @@ class CacheManager:
         self.page_size = cache.page_size
         self.g = cache.granularity
         self.admission = CheckpointAdmission(self.g, checkpoint_interval)
+        self.hits = True  # False: never resume from the cache (everything is still inserted)
 
     def match(self, req: Req, record: bool = True) -> MatchResult:
         """The cached prefix of req's fill ids (walked from the node req holds, if any)."""
-        return self.cache.match_prefix(req.token_ids(req.fill_len), record_stats=record, start=req.node)
+        tokens = req.token_ids(req.fill_len) if self.hits else ()
+        return self.cache.match_prefix(tokens, record_stats=record and self.hits, start=req.node)
 
     def deeper_cached(self, req: Req) -> bool:
         """Whether the tree may hold more of req's fill than req does (an O(page) test)."""
-        return self.cache.continues(req.node or self.cache.root, req.token_ids(req.fill_len))
+        return self.hits and self.cache.continues(req.node or self.cache.root, req.token_ids(req.fill_len))
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)

@@ -1,0 +1,166 @@
+"""Engine: the step loop (schedule -> run -> process) and the offline `LLM` API."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from hybridserve.config import EngineConfig
+from hybridserve.outputs import Detokenizer, RequestOutput
+from hybridserve.runner import ModelRunner
+from hybridserve.sampling import SamplingParams, Sampler
+from models.batch import Memory
+from models.builtin import ByteTokenizer, builtin_path
+from models.loader import load_model
+from scheduler import CostModel, PolicyConfig, Req, Scheduler
+from state_cache import PrefillFlops, StateRadixCache, make_pools, plan_memory
+
+
+def load_tokenizer(model: str, path: Path):
+    if model == "builtin":
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        config = replace(config or EngineConfig(), **overrides)
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.path = builtin_path() if config.model == "builtin" else Path(config.model)
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        self.model, self.model_config = load_model(self.path, config.device, dtype)
+        self.model_name = config.model if config.model == "builtin" else self.path.name
+        self.tokenizer = load_tokenizer(config.model, self.path)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
+        kv_dtype = next(self.model.parameters()).dtype
+        self.plan = plan_memory(mc.kv_shapes, mc.state_shapes, budget_bytes=int(config.memory_gb * 2**30),
+                                page_size=config.page_size, max_running=config.max_running,
+                                checkpoint_share=config.checkpoint_share, kv_dtype=kv_dtype)
+        kv_pool, state_pool = make_pools(self.plan, mc.kv_shapes, mc.state_shapes, kv_dtype, config.device)
+        self.memory = Memory(kv_pool.buffers, state_pool.buffers, config.page_size)
+        cache = StateRadixCache(kv_pool, state_pool, mc.kernel_chunks, policy=config.eviction,
+                                flops=PrefillFlops(2.0 * sum(p.numel() for p in self.model.parameters())))
+        self.sampler = Sampler(config.device)
+        self.runner = ModelRunner(self.model, self.memory, config.device, self.sampler)
+        cost = CostModel.load(config.cost_profile) if config.cost_profile else self._quick_profile(cache)
+        policy = PolicyConfig(name=config.policy, token_budget=config.token_budget, target_step=config.target_step,
+                              max_step=config.max_step, mixed_chunk=config.mixed_chunk)
+        self.scheduler = Scheduler(cache, policy, cost, time.monotonic, max_running=config.max_running,
+                                   decode_reserve=config.decode_reserve,
+                                   checkpoint_interval=config.checkpoint_interval)
+        self.scheduler.mem.hits = config.enable_prefix_cache
+        self.requests: dict[str, tuple[Req, Detokenizer]] = {}
+        self._ids = itertools.count()
+        self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
+                                            else set())
+
+    def _quick_profile(self, cache) -> CostModel:
+        from hybridserve.calibrate import calibrate
+
+        return calibrate(self.model, self.model_config, self.memory, cache, quick=True)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt (text or ids), validated; ValueError names what is wrong."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> str:
+        """Queue a request; returns its id. ValueError for input the engine cannot serve."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                             f"context of {self.max_model_len} tokens")
+        rid = rid or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"rid: {rid!r} is already in use")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
+        req = Req(rid, ids, params.max_tokens, sampling=params, stop_token_ids=frozenset(stops))
+        self.scheduler.add(req)
+        self.requests[rid] = (req, Detokenizer(self.tokenizer, params.stop))
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request and free what it holds; False if unknown or finished."""
+        entry = self.requests.pop(rid, None)
+        if entry is None:
+            return False
+        self.sampler.release(rid)
+        return self.scheduler.abort(entry[0])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One round: schedule -> run -> process; outputs of the requests that moved."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.config.debug_integrity and not self.scheduler.running:
+                self.scheduler.check_integrity()
+            return []
+        out = self.runner.run(batch)
+        changed = self.scheduler.process(batch, out)
+        extras = dict(zip(map(id, batch.sampling_reqs), out.extras or []))
+        return [self._output(r, extras.get(id(r))) for r in changed]
+
+    def _output(self, req: Req, logprob) -> RequestOutput:
+        _, detok = self.requests[req.rid]
+        new_text = detok.update(req.output_ids)
+        if detok.stopped and not req.finished:
+            self.scheduler.finish(req, "stop")
+        if req.finished:
+            self.requests.pop(req.rid, None)
+            self.sampler.release(req.rid)
+        return RequestOutput(req.rid, req.input_ids, list(req.output_ids), detok.text, req.output_ids[-1:], new_text,
+                             req.finished, req.finish_reason, req.cached_tokens, [logprob] if logprob else [])
+
+    def stats(self) -> dict:
+        """Counters and pool usage for metrics."""
+        s = self.scheduler
+        return {"waiting": len(s.waiting), "running": len(s.running), **s.counters,
+                "cache": s.mem.cache.stats()._asdict()}
+
+
+class LLM:
+    """Offline generation: `LLM(model=..., **engine_args).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str = "builtin", **engine_args):
+        self.engine = Engine(EngineConfig(model=model, **engine_args))
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(rids):
+            for o in self.engine.step():
+                if o.finished:
+                    done[o.rid] = o
+        return [done[r] for r in rids]

@@ -1,0 +1,37 @@
+"""ModelRunner: a scheduled round -> ForwardBatch -> logits -> sampled tokens."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hybridserve.sampling import Sampler
+from models.batch import ForwardBatch, Memory, Segment
+from scheduler import Batch, StepOutput
+
+
+class ModelRunner:
+    """Runs the model on the pools' tensors; checkpoint states are written by the forward
+    straight into the checkpoint slots the scheduler allocated for each chunk."""
+
+    def __init__(self, model, memory: Memory, device: str, sampler: Sampler):
+        self.model, self.memory, self.device, self.sampler = model, memory, device, sampler
+
+    def segments(self, batch: Batch) -> list[Segment]:
+        segs = [Segment(c.req.all_ids[c.start:c.end], c.start, c.req.state_slot, c.req.kv_pages, c.checkpoints, c.req)
+                for c in batch.chunks]
+        segs += [Segment([r.all_ids[r.prefix_len]], r.prefix_len, r.state_slot, r.kv_pages, (), r)
+                 for r in batch.decodes]  # the last sampled token, at position prefix_len
+        return segs
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> StepOutput:
+        t0 = time.perf_counter()
+        segs = self.segments(batch)
+        sampling = [i for i, c in enumerate(batch.chunks) if c.samples]
+        sampling += list(range(len(batch.chunks), len(segs)))
+        fb = ForwardBatch.build(segs, self.memory, self.device, logits_for=sampling)
+        logits = self.model(fb)  # [S, vocab], one row per sampling segment
+        reqs = batch.sampling_reqs
+        out = self.sampler(logits, [r.sampling for r in reqs], [r.rid for r in reqs])
+        return StepOutput(out.tokens, time.perf_counter() - t0, list(zip(out.logprobs, out.top_logprobs)))
