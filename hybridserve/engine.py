@@ -20,9 +20,26 @@ from scheduler import CostModel, PolicyConfig, Req, Scheduler
 from state_cache import PrefillFlops, StateRadixCache, make_pools, plan_memory
 
 
+class NoTokenizer:
+    """For checkpoint folders without tokenizer files: prompts must be token ids; no text out."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("prompt: this model has no tokenizer; send token ids")
+
+    def decode(self, ids) -> str:
+        return ""
+
+    def apply_chat_template(self, messages, **kwargs):
+        raise ValueError("messages: this model has no tokenizer (and no chat template)")
+
+
 def load_tokenizer(model: str, path: Path):
     if model == "builtin":
         return ByteTokenizer()
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return NoTokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)

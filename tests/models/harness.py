@@ -142,7 +142,8 @@ def check_greedy(ref, path, vocab, new=16):
     run = PagedRunner(path)
     ids = prompt(vocab, 40, 7)
     with torch.no_grad():
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, len(ids):]
+        want = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                            max_new_tokens=new, do_sample=False, min_new_tokens=new)[0, len(ids):]
     seq, got = run.new_seq(), []
     logits = run.step([(seq, ids)])[0]
     for _ in range(new):

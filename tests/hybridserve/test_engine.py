@@ -1,0 +1,109 @@
+import json
+
+import pytest
+import torch
+
+from hybridserve.engine import LLM, Engine
+from hybridserve.sampling import SamplingParams
+from tests.models import harness
+from tests.models.test_kimi_linear import hf_mod as kimi_mod, tiny as kimi_tiny
+from tests.models.test_qwen3_next import hf_mod as qwen_mod, tiny as qwen_tiny
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "cost.json"
+    path.write_text(json.dumps({"c0": 1e-3, "c_tok": 1e-5, "c_serial": 1e-4, "c_dec": 1e-4}))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["kimi_linear", "qwen3_next"])
+def tiny_model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "kimi_linear":
+        ref = harness.save_tiny(kimi_mod.KimiLinearForCausalLM, kimi_tiny("3:1"), path)
+    else:
+        ref = harness.save_tiny(qwen_mod.Qwen3NextForCausalLM, qwen_tiny("3:1-gqa2"), path)
+    return ref, str(path)
+
+
+def _hf_greedy(ref, ids, n):
+    with torch.no_grad():
+        # an explicit mask: without one, generate() takes every pad_token_id in the prompt for padding
+        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def _engine(path, profile, **kw):
+    return Engine(model=path, dtype="float32", memory_gb=0.05, max_running=8, cost_profile=profile,
+                  page_size=16, **kw)
+
+
+def test_continuous_batching_matches_transformers(tiny_model, profile):
+    """Requests of different lengths arriving at different steps get exactly transformers'
+    greedy tokens (continuous batching, chunked prefill and mixed batches change nothing)."""
+    ref, path = tiny_model
+    eng = _engine(path, profile, policy="budget", token_budget=64)
+    vocab = ref.config.vocab_size
+    prompts = [harness.prompt(vocab, n, seed) for seed, n in enumerate([150, 37, 90, 5])]
+    arrive = {0: [0], 2: [1], 3: [2], 6: [3]}  # step -> requests arriving before it
+    got, step = {}, 0
+    while len(got) < len(prompts):
+        for i in arrive.get(step, []):
+            eng.add_request(prompts[i], GREEDY, rid=str(i))
+        for o in eng.step():
+            if o.finished:
+                got[int(o.rid)] = o.token_ids
+        step += 1
+        assert step < 500
+    for i, p in enumerate(prompts):
+        assert got[i] == _hf_greedy(ref, p, GREEDY.max_tokens), f"request {i}"
+    eng.scheduler.check_integrity()
+
+
+def test_shared_prefix_hits_state_cache_and_keeps_tokens(tiny_model, profile):
+    """A second wave sharing a 128-token prefix resumes from checkpoints (state-hit tokens > 0)
+    and yields the same greedy tokens as an engine with the prefix cache off."""
+    ref, path = tiny_model
+    vocab = ref.config.vocab_size
+    prefix = harness.prompt(vocab, 128, 99)
+    wave1 = [prefix + harness.prompt(vocab, 20, i) for i in range(3)]
+    wave2 = [prefix + harness.prompt(vocab, 30, 10 + i) for i in range(3)]
+    outs = {}
+    for cache_on in (True, False):
+        llm = LLM(path, dtype="float32", memory_gb=0.05, max_running=8, cost_profile=profile, page_size=16,
+                  enable_prefix_cache=cache_on)
+        llm.generate(wave1, GREEDY)
+        before = llm.engine.stats()["cache"]["state_hit_tokens"]
+        outs[cache_on] = [o.token_ids for o in llm.generate(wave2, GREEDY)]
+        hits = llm.engine.stats()["cache"]["state_hit_tokens"] - before
+        assert (hits >= 3 * 128) if cache_on else (hits == 0)
+        llm.engine.scheduler.check_integrity()
+    assert outs[True] == outs[False]
+
+
+def test_bad_requests_are_refused_and_nothing_leaks(tiny_model, profile):
+    """Empty prompts, out-of-vocabulary ids and over-long requests raise ValueError naming the
+    problem; an aborted request frees everything it held."""
+    ref, path = tiny_model
+    eng = _engine(path, profile, max_model_len=256)
+    with pytest.raises(ValueError, match="prompt: must not be empty"):
+        eng.add_request([], GREEDY)
+    with pytest.raises(ValueError, match=r"token ids must be integers in \[0, 97\)"):
+        eng.add_request([1, 97], GREEDY)
+    with pytest.raises(ValueError, match="exceeds the model's context of 256"):
+        eng.add_request([1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        eng.add_request("text", GREEDY)
+    rid = eng.add_request(harness.prompt(97, 100, 1), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.abort(rid) and not eng.abort(rid)
+    assert eng.step() == [] and not eng.has_unfinished()
+    eng.scheduler.check_integrity()
+    eng.scheduler.mem.cache.flush()
+    assert eng.scheduler.mem.kv.num_free == eng.plan.num_pages
+    assert eng.scheduler.mem.states.num_free_active == eng.plan.num_active
