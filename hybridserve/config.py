@@ -17,8 +17,9 @@ class EngineConfig:
     memory_gb: bytes for the KV pages, active slots and checkpoint slots together;
     checkpoint_share of what the active slots leave goes to checkpoints.
     policy: scheduling policy (tokens | budget | serial | serial+deadline) and its knobs;
-    cost_profile: a shipped profile name or a JSON path for the serial policies (None: a
-    profile is fitted at start-up from a few timed forwards of this model on this machine).
+    cost_profile: a shipped profile name or a JSON path for the serial policies (None: the
+    shipped `builtin_cpu` for the built-in model on CPU, else a profile fitted at start-up
+    from a few timed forwards of this model on this machine).
     """
 
     model: str = "builtin"

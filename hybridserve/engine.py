@@ -67,7 +67,7 @@ class Engine:
                                 flops=PrefillFlops(2.0 * sum(p.numel() for p in self.model.parameters())))
         self.sampler = Sampler(config.device)
         self.runner = ModelRunner(self.model, self.memory, config.device, self.sampler)
-        cost = CostModel.load(config.cost_profile) if config.cost_profile else self._quick_profile(cache)
+        cost = self._cost_model(cache)
         policy = PolicyConfig(name=config.policy, token_budget=config.token_budget, target_step=config.target_step,
                               max_step=config.max_step, mixed_chunk=config.mixed_chunk)
         self.scheduler = Scheduler(cache, policy, cost, time.monotonic, max_running=config.max_running,
@@ -79,7 +79,12 @@ class Engine:
         self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
                                             else set())
 
-    def _quick_profile(self, cache) -> CostModel:
+    def _cost_model(self, cache) -> CostModel:
+        """The configured profile; for the built-in model on CPU the shipped one; else fitted now."""
+        if self.config.cost_profile:
+            return CostModel.load(self.config.cost_profile)
+        if self.config.model == "builtin" and self.config.device == "cpu":
+            return CostModel.load("builtin_cpu")
         from hybridserve.calibrate import calibrate
 
         return calibrate(self.model, self.model_config, self.memory, cache, quick=True)
