@@ -4,11 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: setup test test-all bench
+.PHONY: setup test test-all serve bench bench-engine bench-ttft
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
@@ -21,5 +20,14 @@ test: setup
 test-all: setup
 	$(BIN)/python -m pytest -m "not gpu"
 
+serve: setup
+	$(BIN)/hybridserve serve --host 127.0.0.1 --port $(or $(PORT),8000)
+
 bench: setup
-	$(BIN)/python benchmarks/kernels.py
+	$(BIN)/python -m benchmarks.kernels
+
+bench-engine: setup
+	$(BIN)/python -m benchmarks.engine
+
+bench-ttft: setup
+	$(BIN)/python -m benchmarks.ttft_1m
