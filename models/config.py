@@ -67,6 +67,25 @@ class ModelConfig:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in LINEAR_KINDS)
 
     @classmethod
+    def uniform(cls, hf, kinds: tuple[str, ...], kv: KVShapes, state: StateShapes,
+                kernel_chunks: Mapping[str, int]) -> "ModelConfig":
+        """A config whose attention layers share one KV layout and linear layers one state
+        layout (true of every supported model); the rest is read from the HF config."""
+        return cls(
+            model_type=hf.model_type,
+            layer_kinds=kinds,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            max_position=hf.max_position_embeddings,
+            eos_token_ids=eos_ids(hf),
+            dtype=hf_dtype(hf),
+            kv_shapes=tuple(kv for k in kinds if k == "attn"),
+            state_shapes=tuple(state for k in kinds if k in LINEAR_KINDS),
+            kernel_chunks=kernel_chunks,
+            hf=hf,
+        )
+
+    @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":
         """Convert a transformers config (e.g. `AutoConfig.from_pretrained(path)`)."""
         from models.registry import model_class

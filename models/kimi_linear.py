@@ -8,7 +8,7 @@ from torch import nn
 import kernels
 from kernels.attention import write_kv
 from models.batch import ForwardBatch
-from models.config import ModelConfig, eos_ids, hf_dtype
+from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
@@ -160,23 +160,10 @@ class KimiLinearForCausalLM(CausalLM):
 
     @classmethod
     def model_config(cls, hf) -> ModelConfig:
-        kinds = cls.layer_kinds(hf)
-        h, d, w = hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim
-        dtype = hf_dtype(hf)
-        return ModelConfig(
-            model_type="kimi_linear",
-            layer_kinds=kinds,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            max_position=hf.max_position_embeddings,
-            eos_token_ids=eos_ids(hf),
-            dtype=dtype,
-            kv_shapes=tuple({"kv": (1, hf.kv_lora_rank + hf.qk_rope_head_dim)} for k in kinds if k == "attn"),
-            state_shapes=tuple(
-                {"recurrent": ((h, d, d), torch.float32), "conv": ((3 * h * d, w - 1), dtype)}
-                for k in kinds
-                if k == "kda"
-            ),
+        h, d, w, dtype = hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim, hf_dtype(hf)
+        return ModelConfig.uniform(
+            hf, cls.layer_kinds(hf),
+            kv={"kv": (1, hf.kv_lora_rank + hf.qk_rope_head_dim)},
+            state={"recurrent": ((h, d, d), torch.float32), "conv": ((3 * h * d, w - 1), dtype)},
             kernel_chunks={"kda": KDA_CHUNK},
-            hf=hf,
         )

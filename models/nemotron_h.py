@@ -9,7 +9,7 @@ from torch import nn
 import kernels
 from kernels.attention import write_kv
 from models.batch import ForwardBatch
-from models.config import ModelConfig, eos_ids, hf_dtype
+from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import RMSNorm
@@ -189,27 +189,13 @@ class NemotronHForCausalLM(CausalLM):
 
     @classmethod
     def model_config(cls, hf) -> ModelConfig:
-        kinds = cls.layer_kinds(hf)
         d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         h, p, s = hf.mamba_num_heads, hf.mamba_head_dim, hf.ssm_state_size
         conv_dim = h * p + 2 * hf.n_groups * s
-        dtype = hf_dtype(hf)
         ssm_dtype = getattr(torch, str(hf.mamba_ssm_cache_dtype).removeprefix("torch."))  # "float32" or a dtype
-        return ModelConfig(
-            model_type="nemotron_h",
-            layer_kinds=kinds,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            max_position=hf.max_position_embeddings,
-            eos_token_ids=eos_ids(hf),
-            dtype=dtype,
-            kv_shapes=tuple({"k": (hf.num_key_value_heads, d), "v": (hf.num_key_value_heads, d)}
-                            for k in kinds if k == "attn"),
-            state_shapes=tuple(
-                {"recurrent": ((h, p, s), ssm_dtype), "conv": ((conv_dim, hf.conv_kernel - 1), dtype)}
-                for k in kinds
-                if k == "mamba2"
-            ),
+        return ModelConfig.uniform(
+            hf, cls.layer_kinds(hf),
+            kv={"k": (hf.num_key_value_heads, d), "v": (hf.num_key_value_heads, d)},
+            state={"recurrent": ((h, p, s), ssm_dtype), "conv": ((conv_dim, hf.conv_kernel - 1), hf_dtype(hf))},
             kernel_chunks={"mamba2": hf.chunk_size},
-            hf=hf,
         )

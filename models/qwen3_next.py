@@ -10,7 +10,7 @@ from torch import nn
 import kernels
 from kernels.attention import write_kv
 from models.batch import ForwardBatch
-from models.config import ModelConfig, eos_ids, hf_dtype
+from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
@@ -199,26 +199,14 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @classmethod
     def model_config(cls, hf) -> ModelConfig:
-        kinds = cls.layer_kinds(hf)
         hkv, hv = hf.num_key_value_heads, hf.linear_num_value_heads
         d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         dk, dv = hf.linear_key_head_dim, hf.linear_value_head_dim
         conv_dim = 2 * hf.linear_num_key_heads * dk + hv * dv
-        dtype = hf_dtype(hf)
-        return ModelConfig(
-            model_type="qwen3_next",
-            layer_kinds=kinds,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            max_position=hf.max_position_embeddings,
-            eos_token_ids=eos_ids(hf),
-            dtype=dtype,
-            kv_shapes=tuple({"k": (hkv, d), "v": (hkv, d)} for k in kinds if k == "attn"),
-            state_shapes=tuple(
-                {"recurrent": ((hv, dk, dv), torch.float32), "conv": ((conv_dim, hf.linear_conv_kernel_dim - 1), dtype)}
-                for k in kinds
-                if k == "gdn"
-            ),
+        return ModelConfig.uniform(
+            hf, cls.layer_kinds(hf),
+            kv={"k": (hkv, d), "v": (hkv, d)},
+            state={"recurrent": ((hv, dk, dv), torch.float32),
+                   "conv": ((conv_dim, hf.linear_conv_kernel_dim - 1), hf_dtype(hf))},
             kernel_chunks={"gdn": GDN_CHUNK},
-            hf=hf,
         )
