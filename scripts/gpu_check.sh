@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One call on a CUDA machine: install the CUDA extras, run the GPU tests and the kernel benchmark.
-#   bash scripts/gpu_check.sh            (results land in benchmarks/results/ and $OUT if set)
+# One call on a CUDA machine whose image already has torch (+ triton, FLA, and optionally
+# mamba-ssm / causal-conv1d / flash-attn): run the GPU tests and the kernel benchmark with
+# that image's python3. Results land in benchmarks/results/ (and in $OUT when it is set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-make setup >/dev/null
-.venv/bin/pip install -q -c constraints.txt '.[cuda]' || echo "cuda extras did not install; GPU tests fall back where they can"
-.venv/bin/python -c "import torch; print('cuda', torch.cuda.is_available(), torch.version.cuda)"
-.venv/bin/python -m pytest -m gpu -q -x --timeout=300 2>&1 | tail -30
-.venv/bin/python -m benchmarks.kernels --lengths 4096 16384 65536
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PY:-python3}
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.version.cuda)"
+$PY -m pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -40
+$PY -m benchmarks.kernels --lengths 4096 16384 65536
 if [ -n "${OUT:-}" ]; then cp -r benchmarks/results "$OUT/"; fi
