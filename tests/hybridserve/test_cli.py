@@ -1,0 +1,141 @@
+"""The `hybridserve` command: help for every flag, flags -> EngineConfig, generate, calibrate,
+and serve shutting down cleanly on SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import fields
+
+import httpx
+import pytest
+
+from hybridserve import calibrate as calibrate_module
+from hybridserve.cli import ENGINE_HELP, build_parser, engine_config, main
+from hybridserve.config import EngineConfig
+from hybridserve.engine import LLM
+from hybridserve.sampling import SamplingParams
+from scheduler.cost import COEFFS, CostModel
+
+PROFILE = {"c0": 0.01, "c_tok": 1e-4, "c_serial": 1e-3, "c_dec": 1e-3}
+SMALL = ["--memory-gb", "0.25", "--max-running", "4"]
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(PROFILE))
+    return str(path)
+
+
+def subcommands() -> dict:
+    parser = build_parser()
+    return next(a for a in parser._actions if a.dest == "command").choices
+
+
+def test_help_explains_every_flag(capsys):
+    """Each subcommand's --help lists every EngineConfig field as a flag, and no flag lacks a help text."""
+    assert set(ENGINE_HELP) == {f.name for f in fields(EngineConfig)}
+    for name, sub in subcommands().items():
+        with pytest.raises(SystemExit) as exit_:
+            main([name, "--help"])
+        assert exit_.value.code == 0
+        text = capsys.readouterr().out
+        for f in fields(EngineConfig):
+            assert "--" + f.name.replace("_", "-") in text, (name, f.name)
+        for action in sub._actions:
+            assert action.help and action.help.strip(), (name, action.dest)
+
+
+def test_console_script_help():
+    """The installed `hybridserve` console script runs and its --help names the three subcommands."""
+    exe = shutil.which("hybridserve") or os.path.join(os.path.dirname(sys.executable), "hybridserve")
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert all(word in out.stdout for word in ("serve", "generate", "calibrate"))
+
+
+def test_flags_map_onto_config():
+    """Defaults equal EngineConfig's defaults; each flag sets the field of the same name."""
+    args = build_parser().parse_args(["serve"])
+    assert engine_config(args) == EngineConfig() and (args.host, args.port) == ("127.0.0.1", 8000)
+    args = build_parser().parse_args(["serve", "--memory-gb", "0.5", "--no-enable-prefix-cache", "--max-model-len",
+                                      "4096", "--policy", "serial+deadline", "--mixed-chunk", "--page-size", "32"])
+    want = EngineConfig(memory_gb=0.5, enable_prefix_cache=False, max_model_len=4096, policy="serial+deadline",
+                        mixed_chunk=True, page_size=32)
+    assert engine_config(args) == want
+
+
+def test_bad_values_exit_2(capsys):
+    """An unknown choice is an argparse error; a value EngineConfig rejects exits 2 naming the field."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--policy", "fastest"])
+    assert exit_.value.code == 2 and "--policy" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--page-size", "0"]) == 2
+    assert "page_size" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_generate_prints_the_completion(capsys, profile):
+    """`generate` prints the same greedy text as LLM.generate with the same settings."""
+    code = main(["generate", "--prompt", "Hello there", "--max-tokens", "6", "--temperature", "0", "--ignore-eos",
+                 "--cost-profile", profile, *SMALL])
+    out = capsys.readouterr()
+    assert code == 0 and "6 generated" in out.err
+    llm = LLM(cost_profile=profile, memory_gb=0.25, max_running=4)
+    (want,) = llm.generate("Hello there", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert out.out == want.text + "\n"
+
+
+def test_calibrate_writes_a_profile(capsys, tmp_path, monkeypatch):
+    """`calibrate` times forwards, writes a profile that CostModel.load accepts and prints every coefficient."""
+    monkeypatch.setattr(calibrate_module, "PREFILLS", [[(0, 64)], [(0, 128)], [(64, 64)]])
+    monkeypatch.setattr(calibrate_module, "DECODES", [[64], [64] * 4])
+    out_path = tmp_path / "fitted.json"
+    assert main(["calibrate", "--output", str(out_path), *SMALL]) == 0
+    printed = capsys.readouterr().out
+    cost = CostModel.load(out_path)
+    assert cost.meta["model"] == "kimi_linear" and cost.meta["fitted_on"] == "5 timed forwards"
+    assert all(name in printed for name in COEFFS)
+    assert cost.c0 + cost.c_tok + cost.c_serial + cost.c_dec > 0
+
+
+def test_serve_answers_then_exits_on_sigterm(profile, tmp_path):
+    """`hybridserve serve` answers HTTP on its port; on SIGTERM it runs the lifespan shutdown (the
+    engine thread is stopped and joined) and exits with SIGTERM's status, as uvicorn re-raises it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    exe = shutil.which("hybridserve") or os.path.join(os.path.dirname(sys.executable), "hybridserve")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen([exe, "serve", "--port", str(port), "--cost-profile", profile, "--log-level", "info",
+                             *SMALL], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log.seek(0)
+    text = log.read()
+    assert "Application shutdown complete" in text and "Traceback" not in text, text
