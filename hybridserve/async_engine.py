@@ -23,7 +23,6 @@ import torch
 from hybridserve.engine import Engine
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
-from scheduler import StepOutput
 
 log = logging.getLogger("hybridserve.engine")
 STALL_WAIT_S = 0.005
@@ -178,18 +177,9 @@ class AsyncEngine:
         self.stats = self.engine.stats()
 
     def _fail_inflight(self, exc: Exception) -> None:
-        """Abort the requests of the batches in flight (their pages, slots and checkpoint
-        slots are freed) and hand each an EngineError. If no batch is in flight the failure
-        cannot be attributed, so every unfinished request fails (the loop must not spin)."""
-        sched = self.engine.scheduler
-        batches = list(sched.inflight)
-        rids = [r.rid for b in batches for r in [c.req for c in b.chunks] + b.decodes]
-        if not batches:
-            rids = list(self.engine.requests)
-        for rid in rids:
-            self.engine.abort(rid)
-        for b in batches:  # drops each batch: finished requests are released, checkpoints freed
-            sched.process(b, StepOutput([0] * len(b.sampling_reqs)))
+        """Fail the requests of the rounds in flight (Engine.fail_inflight frees what they
+        held) and hand each an EngineError."""
+        rids = self.engine.fail_inflight()
         err = EngineError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for rid in dict.fromkeys(rids):

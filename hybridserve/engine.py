@@ -16,7 +16,7 @@ from hybridserve.sampling import SamplingParams, Sampler
 from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
 from models.loader import load_model
-from scheduler import CostModel, PolicyConfig, Req, Scheduler
+from scheduler import CostModel, PolicyConfig, Req, Scheduler, StepOutput
 from state_cache import PrefillFlops, StateRadixCache, make_pools, plan_memory
 
 
@@ -150,7 +150,7 @@ class Engine:
 
     def _output(self, req: Req, logprob) -> RequestOutput:
         _, detok = self.requests[req.rid]
-        new_text = detok.update(req.output_ids)
+        new_text = detok.update(req.output_ids, final=req.finished)
         if detok.stopped and not req.finished:
             self.scheduler.finish(req, "stop")
         if req.finished:
@@ -158,6 +158,19 @@ class Engine:
             self.sampler.release(req.rid)
         return RequestOutput(req.rid, req.input_ids, list(req.output_ids), detok.text, req.output_ids[-1:], new_text,
                              req.finished, req.finish_reason, req.cached_tokens, [logprob] if logprob else [])
+
+    def fail_inflight(self) -> list[str]:
+        """After a step raised: abort the requests of the rounds in flight (their pages, slots
+        and checkpoint slots are freed) and drop those rounds. Returns the failed ids; if no
+        round was in flight the failure cannot be attributed and every request fails."""
+        sched = self.scheduler
+        batches = list(sched.inflight)
+        rids = [r.rid for b in batches for r in [c.req for c in b.chunks] + b.decodes] or list(self.requests)
+        for rid in rids:
+            self.abort(rid)
+        for b in batches:  # processing an aborted request's round only releases what it held
+            sched.process(b, StepOutput([0] * len(b.sampling_reqs)))
+        return list(dict.fromkeys(rids))
 
     def stats(self) -> dict:
         """Counters and pool usage for metrics."""

@@ -29,22 +29,29 @@ class RequestOutput:
 
 
 class Detokenizer:
-    """Incremental text for one request: decodes the output ids, holds back an incomplete
-    UTF-8 tail, and cuts at the first stop string (which is not included)."""
+    """Incremental text for one request: decodes the output ids and cuts at the first stop
+    string (not included).
+
+    `text` is the decoded text so far; `update` returns only what can no longer change: an
+    incomplete UTF-8 character and the last len(longest stop) - 1 characters (where a stop
+    string completed by a later token may begin) are held back until the request finishes.
+    """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max(map(len, stop), default=1) - 1
         self.text = ""
+        self.sent = 0  # characters of text already returned by update()
         self.stopped = False
 
-    def update(self, ids: list[int]) -> str:
-        """New text since the last call (empty while a multi-byte character is incomplete)."""
+    def update(self, ids: list[int], final: bool = False) -> str:
+        """Text that became final since the last call (everything left when `final`)."""
         full = self.tokenizer.decode(ids)
-        if full.endswith("\ufffd"):
-            full = full.rstrip("\ufffd")  # wait for the rest of the character
         hit = find_stop(full, self.stop, start=len(self.text))
         if hit is not None:
-            full, self.stopped = full[:hit], True
-        new = full[len(self.text):] if full.startswith(self.text) else full
+            full, self.stopped, final = full[:hit], True, True
         self.text = full
+        ready = full if final else full[: max(len(full.rstrip("\ufffd")) - self.hold, 0)]
+        new = ready[self.sent:]
+        self.sent = max(self.sent, len(ready))
         return new

@@ -99,7 +99,7 @@ def build_app(engine: AsyncEngine, chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKEN
         try:
             prompt = req.engine_prompt(tok)
             params = req.sampling_params(chat_max_tokens)
-            run = Run(await engine.add(prompt, params, rid), timer, params.stop)
+            run = Run(await engine.add(prompt, params, rid), timer)
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), model)) from None
         except EngineError as e:
@@ -128,19 +128,8 @@ class Run:
     """A request as the server sees it: the engine's outputs, timed; close() aborts it if the
     client is gone before it finished."""
 
-    def __init__(self, stream: RequestStream, timer: RequestTimer, stop: tuple[str, ...]):
+    def __init__(self, stream: RequestStream, timer: RequestTimer):
         self.stream, self.timer = stream, timer
-        self.hold = max(map(len, stop), default=1) - 1
-        self.sent = 0
-
-    def delta(self, out: RequestOutput) -> str:
-        """Text to stream for this output. While the request runs, the last len(longest stop) - 1
-        characters are held back: a stop string completed later may begin inside them, and
-        streamed text cannot be taken back."""
-        text = out.text if out.finished else out.text[:max(len(out.text) - self.hold, 0)]
-        new = text[self.sent:]
-        self.sent = max(self.sent, len(text))
-        return new
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -200,7 +189,7 @@ def sse(run: Run, req: SamplingRequest, head: dict, tokenizer) -> SSEResponse:
         first = True
         try:
             async for out in run.outputs():
-                text = run.delta(out)
+                text = out.new_text
                 lp = req.format_logprobs(tokenizer, out) if req.wants_logprobs else None
                 if first or text or lp or out.finished:
                     yield event({**head, "choices": [req.choice(text, out.finish_reason, lp, first)]})

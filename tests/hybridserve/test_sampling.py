@@ -60,3 +60,25 @@ def test_find_stop_only_in_new_text():
     assert find_stop("hello world", ["lo w"], start=5) == 3
     assert find_stop("hello world", ["hello"], start=8) is None
     assert find_stop("abc", [], 0) is None
+
+
+def test_detokenizer_never_streams_text_a_stop_string_takes_back():
+    """Streamed pieces concatenate to the final text even when a stop string begins inside
+    text decoded by an earlier token (the tail that could start one is held back)."""
+    from hybridserve.outputs import Detokenizer
+    from models.builtin import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids = tok.encode("hello wor") + tok.encode("ld and more")
+    d, pieces = Detokenizer(tok, ("world",)), []
+    for i in range(1, len(ids) + 1):
+        pieces.append(d.update(ids[:i]))
+        if d.stopped:
+            break
+    assert d.text == "hello " and "".join(pieces) == "hello "
+    d2 = Detokenizer(tok, ())
+    streamed = "".join(d2.update(ids[:i], final=i == len(ids)) for i in range(1, len(ids) + 1))
+    assert streamed == "hello world and more"
+    euro = "€".encode()  # 3 bytes: nothing is streamed until the character is complete
+    d3 = Detokenizer(tok, ())
+    assert [d3.update(list(euro[:i])) for i in (1, 2, 3)] == ["", "", "€"]
