@@ -172,8 +172,9 @@ def deadline_step(cfg: PolicyConfig, cost: CostModel, r: Req, base: float, now: 
     The prefill work left, W = c_tok * rest + c_attn * layers * (fill^2 - start^2) / 2 +
     c_serial * rest / chunk, does not depend on the cuts. Rounds of length tau spend `base`
     on the rest of the batch and tau - base on r, so finishing takes W * tau / (tau - base):
-    tau = base * left / (left - W) meets the deadline (less one round of slack). Pricing rounds by time rather
-    than tokens keeps the estimate right as attention grows with the prefix.
+    tau = base * left / (left - W) meets the deadline (less one round of slack). Pricing
+    rounds by time rather than tokens keeps the estimate right as attention grows with the
+    prefix.
     """
     start, fill = r.extend_end, r.fill_len
     work = (cost.c_tok * (fill - start) + cost.c_attn * cost.attn_layers * (fill * fill - start * start) / 2
