@@ -12,7 +12,7 @@ from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
-from models.layers.state import run_with_state
+from models.layers.state import run_with_state, short_conv
 
 KDA_CHUNK = 64
 
@@ -42,13 +42,7 @@ class KimiDeltaAttention(nn.Module):
         buf = batch.memory.state[self.state_idx]
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [T, 3*H*D]
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
-        conv, conv_step = kernels.get("conv1d_prefill", dev), kernels.get("conv1d_decode", dev)
-        qkv = run_with_state(
-            batch,
-            buf["conv"],
-            lambda r, s0, cu, ck: conv(qkv[r], w, None, s0, cu_seqlens=cu, activation="silu", checkpoint_at=ck),
-            lambda r, s0: conv_step(qkv[r], w, None, s0, activation="silu"),
-        )
+        qkv = short_conv(batch, buf["conv"], qkv, w, None)
         t = x.shape[0]
         q, k, v = (y.reshape(t, self.h, self.d) for y in qkv.split(self.h * self.d, -1))  # [T, H, D]
         q, k = l2norm(q), l2norm(k)

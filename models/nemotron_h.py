@@ -13,7 +13,7 @@ from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import RMSNorm
-from models.layers.state import run_with_state
+from models.layers.state import run_with_state, short_conv
 
 KINDS = {"linear_attention": "mamba2", "full_attention": "attn", "mlp": "mlp", "moe": "mlp"}
 
@@ -66,13 +66,7 @@ class Mamba2Mixer(nn.Module):
         buf = batch.memory.state[self.state_idx]
         z, xbc, dt = self.in_proj(x).split([h * p, self.conv_dim, h], -1)
         w, b = self.conv1d.weight[:, 0], self.conv1d.bias  # [conv_dim, W], [conv_dim] | None
-        conv, conv_step = kernels.get("conv1d_prefill", dev), kernels.get("conv1d_decode", dev)
-        xbc = run_with_state(
-            batch,
-            buf["conv"],
-            lambda rows, s0, cu, ck: conv(xbc[rows], w, b, s0, cu_seqlens=cu, activation=self.act, checkpoint_at=ck),
-            lambda rows, s0: conv_step(xbc[rows], w, b, s0, activation=self.act),
-        )  # [T, conv_dim]
+        xbc = short_conv(batch, buf["conv"], xbc, w, b, self.act)  # [T, conv_dim]
         xs, B, C = xbc.split([h * p, g * s, g * s], -1)
         xs = xs.reshape(t, h, p).float()  # [T, H, P]
         B, C = B.reshape(t, g, s), C.reshape(t, g, s)  # [T, G, S]

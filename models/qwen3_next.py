@@ -14,7 +14,7 @@ from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
-from models.layers.state import run_with_state
+from models.layers.state import run_with_state, short_conv
 
 GDN_CHUNK = 64
 
@@ -49,13 +49,7 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).view(t, h, 2 * r).split([r, r], -1)  # [T, H, r]
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)  # [T, 2*H*K + HV*V]
         w = self.conv1d.weight[:, 0]  # [2*H*K + HV*V, W]
-        conv, conv_step = kernels.get("conv1d_prefill", dev), kernels.get("conv1d_decode", dev)
-        qkv = run_with_state(
-            batch,
-            buf["conv"],
-            lambda rows, s0, cu, ck: conv(qkv[rows], w, None, s0, cu_seqlens=cu, activation="silu", checkpoint_at=ck),
-            lambda rows, s0: conv_step(qkv[rows], w, None, s0, activation="silu"),
-        )
+        qkv = short_conv(batch, buf["conv"], qkv, w, None)
         q, k, v = qkv.split([h * dk, h * dk, hv * dv], -1)
         q, k = l2norm(q.view(t, h, dk)), l2norm(k.view(t, h, dk))  # [T, H, K] fp32
         v = v.reshape(t, hv, dv).float()  # [T, HV, V]

@@ -5,6 +5,7 @@ from typing import Callable
 
 import torch
 
+import kernels
 from models.batch import ForwardBatch
 
 # prefill(rows, initial [Np, ...], cu_seqlens [Np+1], checkpoint_at [C] | None)
@@ -38,3 +39,16 @@ def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, d
         state[slots[n_pre:]] = final.to(state.dtype)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
+    """Causal depthwise conv of x [T, D] (weight [D, W]) with conv states [slots, D, W-1] in
+    slots, through the conv1d kernels (see run_with_state)."""
+    conv, step = kernels.get("conv1d_prefill", x.device), kernels.get("conv1d_decode", x.device)
+    return run_with_state(
+        batch,
+        state,
+        lambda r, s0, cu, ck: conv(x[r], weight, bias, s0, cu_seqlens=cu, activation=activation, checkpoint_at=ck),
+        lambda r, s0: step(x[r], weight, bias, s0, activation=activation),
+    )
