@@ -12,7 +12,7 @@ from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
-from models.layers.state import run_with_state, short_conv
+from models.layers.state import delta_rule, short_conv
 
 KDA_CHUNK = 64
 
@@ -38,7 +38,6 @@ class KimiDeltaAttention(nn.Module):
         self.o_proj = nn.Linear(h * d, hid, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        dev = x.device
         buf = batch.memory.state[self.state_idx]
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [T, 3*H*D]
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
@@ -49,16 +48,7 @@ class KimiDeltaAttention(nn.Module):
         f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         g = -self.A_log.float().exp().view(self.h, 1) * F.softplus(f.view(t, self.h, self.d), threshold=20.0)
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
-        chunk, step = kernels.get("kda_prefill", dev), kernels.get("kda_decode", dev)
-        args = lambda r: (q[r], k[r], v[r].float(), g[r], beta[r])  # noqa: E731
-        o = run_with_state(
-            batch,
-            buf["recurrent"],
-            lambda r, s0, cu, ck: chunk(*args(r), initial_state=s0, output_final_state=True, cu_seqlens=cu,
-                                        checkpoint_at=ck),
-            lambda r, s0: step(*args(r), initial_state=s0, output_final_state=True,
-                               cu_seqlens=torch.arange(r.stop - r.start + 1, device=dev)),
-        )  # [T, H, D]
+        o = delta_rule(batch, buf["recurrent"], "kda", q, k, v.float(), g, beta)  # [T, H, D]
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.h, self.d)
         return self.o_proj(self.o_norm(o, gate).to(x.dtype).reshape(t, -1))
 

@@ -14,7 +14,7 @@ from models.config import ModelConfig, hf_dtype
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
-from models.layers.state import run_with_state, short_conv
+from models.layers.state import delta_rule, short_conv
 
 GDN_CHUNK = 64
 
@@ -41,7 +41,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(value_dim, hid, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t, dev = x.shape[0], x.device
+        t = x.shape[0]
         h, hv, dk, dv = self.h, self.hv, self.dk, self.dv
         r = hv // h  # value heads per key head
         buf = batch.memory.state[self.state_idx]
@@ -55,16 +55,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(t, hv, dv).float()  # [T, HV, V]
         g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias.float())  # [T, HV]
         beta = b.reshape(t, hv).float().sigmoid()  # [T, HV]
-        chunk, step = kernels.get("gdn_prefill", dev), kernels.get("gdn_decode", dev)
-        args = lambda rows: (q[rows], k[rows], v[rows], g[rows], beta[rows])  # noqa: E731
-        o = run_with_state(
-            batch,
-            buf["recurrent"],
-            lambda rows, s0, cu, ck: chunk(*args(rows), initial_state=s0, output_final_state=True, cu_seqlens=cu,
-                                           checkpoint_at=ck),
-            lambda rows, s0: step(*args(rows), initial_state=s0, output_final_state=True,
-                                  cu_seqlens=torch.arange(rows.stop - rows.start + 1, device=dev)),
-        )  # [T, HV, V]
+        o = delta_rule(batch, buf["recurrent"], "gdn", q, k, v, g, beta)  # [T, HV, V]
         o = self.norm(o, z.reshape(t, hv, dv)).to(x.dtype)
         return self.out_proj(o.reshape(t, -1))
 

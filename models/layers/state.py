@@ -52,3 +52,21 @@ def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight
         lambda r, s0, cu, ck: conv(x[r], weight, bias, s0, cu_seqlens=cu, activation=activation, checkpoint_at=ck),
         lambda r, s0: step(x[r], weight, bias, s0, activation=activation),
     )
+
+
+def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, beta) -> torch.Tensor:
+    """The KDA / GDN recurrence (`kind`: "kda" or "gdn") over the batch with its states in
+    slots: chunkwise kernel for the prefill segments, step kernel for the decode rows."""
+    chunk, step = kernels.get(f"{kind}_prefill", q.device), kernels.get(f"{kind}_decode", q.device)
+
+    def args(r):
+        return q[r], k[r], v[r], g[r], beta[r]
+
+    return run_with_state(
+        batch,
+        state,
+        lambda r, s0, cu, ck: chunk(*args(r), initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                                    checkpoint_at=ck),
+        lambda r, s0: step(*args(r), initial_state=s0, output_final_state=True,
+                           cu_seqlens=torch.arange(r.stop - r.start + 1, device=q.device)),
+    )
