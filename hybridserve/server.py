@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -242,5 +243,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, log_l
 
     from hybridserve.engine import Engine
 
-    app = build_app(AsyncEngine(Engine(config)))
+    engine = Engine(config)
+    print(f"hybridserve: model {engine.model_name} ({'/'.join(engine.model_config.layer_kinds)}), "
+          f"policy {config.policy}\n{engine.plan.report()}", file=sys.stderr, flush=True)
+    app = build_app(AsyncEngine(engine))
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
