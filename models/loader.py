@@ -48,7 +48,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     dtype = dtype or cfg.dtype
     with torch.device("meta"):
         model = model_class(hf.model_type)(hf)
-    model.to_empty(device=device)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:  # dtypes set on meta: free
+        fp32 = any(name == k or name.endswith("." + k) for k in model.keep_fp32)
+        t.data = t.data.to(torch.float32 if fp32 else dtype)
+    model.to_empty(device=device)  # the only allocation, in the final dtypes
     model.tie_weights()  # to_empty made new tensors: re-share lm_head with the embedding
     params = dict(model.state_dict())  # tied weights appear under both names
     seen: set[str] = set()
@@ -65,14 +68,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 dst = params[name]
                 if t.shape != dst.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(dst.shape)}")
-                dst.copy_(t)
+                dst.copy_(t)  # casts to the parameter's dtype
                 seen.add(name)
     tied = {"lm_head.weight"} if model.tied else set()
     missing = sorted(set(params) - seen - tied)
     if missing or unexpected:
         raise ValueError(f"{path}: missing tensors {missing[:10]} ({len(missing)}), "
                          f"unexpected tensors {sorted(unexpected)[:10]} ({len(unexpected)})")
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if not any(name == k or name.endswith("." + k) for k in model.keep_fp32):
-            t.data = t.data.to(dtype)
     return model.eval(), cfg

@@ -106,3 +106,14 @@ def test_builtin_model_prefill_decode(tmp_path, monkeypatch):
         out.append(int(logits.argmax()))
         logits = run.step([(seq, [out[-1]])])[0]
     assert torch.isfinite(logits).all() and len(seq.tokens) == len("hello, hybrid world") + 4
+
+
+def test_load_dtype_keeps_reference_fp32_parameters(saved):
+    """Loading in bf16 allocates every tensor once in its final dtype: bf16, except the router
+    weights and biases and dt_bias, which stay fp32 as in the reference implementation."""
+    _, path = saved
+    model, _ = load_model(path, dtype=torch.bfloat16)
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    fp32 = {n for n, t in tensors.items() if t.dtype == torch.float32}
+    assert fp32 and all(n.endswith((".gate.weight", ".e_score_correction_bias", ".dt_bias")) for n in fp32)
+    assert all(t.dtype == torch.bfloat16 for n, t in tensors.items() if n not in fp32)
