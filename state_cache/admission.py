@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from state_cache.config import CacheConfig
 
 
-def granularity(page_size: int, kernel_chunks: Mapping[str, int]) -> int:
-    """G = max(page_size, every kernel chunk), after checking max % min == 0 for each kind.
+def granularity(page_size: int, kernel_chunks: Mapping[str, int], grid: int | None = None) -> int:
+    """G = max(page_size, every kernel chunk), after checking max % min == 0 for each kind;
+    `grid`, when given, replaces G by a coarser grid (it must be a multiple of G).
 
     kernel_chunks maps a linear-layer kind to its kernel chunk, e.g. {"kda": 64} or
     {"mamba2": 256}. ValueError names the offending field.
@@ -31,7 +35,10 @@ def granularity(page_size: int, kernel_chunks: Mapping[str, int]) -> int:
     for kind, chunk in kernel_chunks.items():
         if g % chunk:
             raise ValueError(f"kernel_chunks[{kind!r}]={chunk} does not divide G={g}")
-    return g
+    if grid is not None and (grid < 1 or grid % g):
+        raise ValueError(f"checkpoint_grid={grid} must be a positive multiple of G={g} (max of page size and "
+                         "kernel chunks)")
+    return g if grid is None else grid
 
 
 class DecodeCheckpoint(enum.Enum):
@@ -44,25 +51,36 @@ class DecodeCheckpoint(enum.Enum):
 
 @dataclass(frozen=True)
 class CheckpointAdmission:
-    """Checkpoint admission for one request.
+    """Which positions get a checkpoint; each rule can be switched off (CacheConfig).
 
     Prefill admits: the end of a chunk that ends on the grid (every stashed middle chunk
-    under G-aligned cuts, and a G-aligned prompt end); the last G-position before the
-    prompt's last token (an identical resend resumes there); the branch point found by
-    match_prefix (future requests diverge there again); every `interval` tokens.
+    under G-aligned cuts, and a G-aligned prompt end) [chunk_ends]; the last G-position
+    before the prompt's last token (an identical resend resumes there) [last_prompt]; the
+    branch point found by match_prefix (future requests diverge there again)
+    [branch_points]; every `interval` tokens.
     Decode keeps the latest G-position (rolling), so a finished request leaves the last
-    G-position of prompt + output (the next turn of a conversation starts there), plus
-    every `interval` tokens.
+    G-position of prompt + output (the next turn of a conversation starts there) [decode],
+    plus every `interval` tokens.
     """
 
     granularity: int
     interval: int | None = None
+    chunk_ends: bool = True
+    last_prompt: bool = True
+    branch_points: bool = True
+    decode_tail: bool = True
+
+    @classmethod
+    def from_config(cls, g: int, config: CacheConfig) -> CheckpointAdmission:
+        return cls(g, config.checkpoint_interval, config.checkpoint_chunk_ends, config.checkpoint_last_prompt,
+                   config.checkpoint_branch_points, config.checkpoint_decode)
 
     def __post_init__(self):
         if self.granularity < 1:
             raise ValueError(f"granularity must be >= 1, got {self.granularity}")
         if self.interval is not None and (self.interval < 1 or self.interval % self.granularity):
-            raise ValueError(f"interval must be a positive multiple of granularity={self.granularity}, got {self.interval}")
+            raise ValueError(f"interval must be a positive multiple of granularity={self.granularity}, "
+                             f"got {self.interval}")
 
     def floor(self, pos: int) -> int:
         """The G-position at or before pos."""
@@ -71,9 +89,14 @@ class CheckpointAdmission:
     def prefill(self, start: int, end: int, prompt_len: int, branch_pos: int = 0) -> list[int]:
         """Sorted positions in (start, end] to checkpoint while computing prompt tokens [start, end)."""
         if not 0 <= start < end <= prompt_len:
-            raise ValueError(f"need 0 <= start < end <= prompt_len, got start={start} end={end} prompt_len={prompt_len}")
-        wanted = {self.floor(prompt_len - 1), branch_pos}
-        if end % self.granularity == 0:
+            raise ValueError(f"need 0 <= start < end <= prompt_len, got start={start} end={end} "
+                             f"prompt_len={prompt_len}")
+        wanted = set()
+        if self.last_prompt:
+            wanted.add(self.floor(prompt_len - 1))
+        if self.branch_points:
+            wanted.add(branch_pos)
+        if self.chunk_ends and end % self.granularity == 0:
             wanted.add(end)
         if self.interval:
             first = (start // self.interval + 1) * self.interval
@@ -86,4 +109,4 @@ class CheckpointAdmission:
             return DecodeCheckpoint.NONE
         if self.interval and pos % self.interval == 0:
             return DecodeCheckpoint.KEEP
-        return DecodeCheckpoint.ROLLING
+        return DecodeCheckpoint.ROLLING if self.decode_tail else DecodeCheckpoint.NONE

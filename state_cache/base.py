@@ -20,7 +20,13 @@ Who owns what (the accounting map; every arrow is an explicit call):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
+
+if TYPE_CHECKING:
+    from state_cache.admission import CheckpointAdmission
+    from state_cache.config import CacheConfig
+    from state_cache.kv_pool import KVPool
+    from state_cache.state_pool import StatePool
 
 
 class IntegrityError(RuntimeError):
@@ -141,13 +147,27 @@ class PrefixCache(ABC):
       * insert() never copies KV: it takes ownership of the caller's pages (see the map in
         this module's docstring) and returns the page ids the caller must use;
       * a checkpoint, once inserted, is never written again; restore() copies it out bit-exact;
+      * `start=` (match_prefix, insert) walks from a node the caller holds locked on the
+        tokens' path and gives the same result as a walk from the root, at the cost of the
+        tokens below that node only;
       * every method works without tensors (pools that only count).
+
+    Attributes: `kv_pool` (KVPool), `state_pool` (StatePool), `page_size`, `config`
+    (CacheConfig) and `admission` (the CheckpointAdmission the config selects: where
+    callers should checkpoint).
     """
+
+    kv_pool: KVPool
+    state_pool: StatePool
+    page_size: int
+    config: CacheConfig
+    admission: CheckpointAdmission
 
     @property
     @abstractmethod
     def granularity(self) -> int:
-        """G = max(kernel chunk, page_size): checkpoints exist only at multiples of G."""
+        """G = max(kernel chunk, page_size) (or the configured coarser grid): checkpoints
+        exist only at multiples of G."""
 
     @property
     @abstractmethod
@@ -155,8 +175,13 @@ class PrefixCache(ABC):
         """Pages the tree holds on unlocked nodes: what evict() could free now (for admission)."""
 
     @abstractmethod
-    def match_prefix(self, tokens: Sequence[int], *, record_stats: bool = True) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int], *, record_stats: bool = True, start: Any = None) -> MatchResult:
         """Longest cached prefix of tokens; counts a lookup in the stats when record_stats."""
+
+    @abstractmethod
+    def continues(self, node: Any, tokens: Sequence[int]) -> bool:
+        """Whether the tree holds the page of `tokens` right after `node` (a node on their path,
+        None for the root): an O(page) test for "a deeper match may exist"."""
 
     @abstractmethod
     def lock(self, node: Any) -> None:
@@ -167,11 +192,17 @@ class PrefixCache(ABC):
         """Undo one lock(node); ValueError if node is not locked."""
 
     @abstractmethod
+    def relock(self, old: Any, new: Any) -> None:
+        """lock(new) then unlock(old); O(distance) when new lies below old."""
+
+    @abstractmethod
     def insert(
         self,
         tokens: Sequence[int],
         kv_pages: Sequence[int],
         checkpoints: Mapping[int, int] | None = None,
+        *,
+        start: Any = None,
     ) -> InsertResult:
         """Move the KV pages of tokens (and checkpoint slots {pos: slot}) into the tree.
 

@@ -77,11 +77,11 @@ def split(child: Node, n: int, ps: int) -> Node:
 
 
 def node_at(root: Node, tokens: tuple[int, ...], pos: int, ps: int) -> Node:
-    """The node ending at pos on the cached path of tokens, splitting an edge if needed."""
+    """The node on the cached path of tokens whose edge holds position pos (its end >= pos)."""
     node = root
     while node.end < pos:
         node = node.children[tokens[node.end:node.end + ps]]
-    return split(node, pos - node.start, ps) if node.end > pos else node
+    return node
 
 
 def ancestors(node: Node) -> Iterator[Node]:

@@ -10,24 +10,36 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from typing import Callable, Mapping, Sequence
 
-from state_cache.admission import granularity
+from state_cache.admission import CheckpointAdmission, granularity
 from state_cache.base import (
-    Candidate, CacheStats, Checkpoint, EvictionPolicy, EvictResult, InsertResult,
-    IntegrityError, MatchResult, PrefixCache,
+    CacheStats,
+    Candidate,
+    Checkpoint,
+    EvictionPolicy,
+    EvictResult,
+    InsertResult,
+    IntegrityError,
+    MatchResult,
+    PrefixCache,
 )
+from state_cache.config import CacheConfig
 from state_cache.eviction import FlopsFn, as_flops, make_policy
 from state_cache.kv_pool import KVPool
 from state_cache.node import Node, ancestors, common_pages, ids, iter_nodes, node_at, path_pages, split, walk
 from state_cache.state_pool import StatePool
+
+log = logging.getLogger(__name__)
 
 
 class StateRadixCache(PrefixCache):
     """The prefix cache of the engine and of the trace-replay benchmarks (see base.PrefixCache).
 
     kernel_chunks: kernel chunk of every linear-layer kind, e.g. {"kda": 64}; with the KV
-    pool's page_size it fixes G (checked at start). policy: a registered name or a policy.
+    pool's page_size (and config.checkpoint_grid) it fixes G (checked at start).
+    config: the behaviour (checkpoint admission, eviction policy, splits); default CacheConfig().
     flops: FLOPs of prefilling [0, pos), a callable or a (per_token, attn_quadratic) pair.
     clock: returns the time used for recency (default: a counter ticking once per call).
     """
@@ -37,15 +49,17 @@ class StateRadixCache(PrefixCache):
         kv_pool: KVPool,
         state_pool: StatePool,
         kernel_chunks: Mapping[str, int],
-        policy: str | EvictionPolicy = "lru",
+        config: CacheConfig | None = None,
         flops: FlopsFn | tuple[float, float] | None = None,
         clock: Callable[[], float] | None = None,
     ):
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.page_size = kv_pool.page_size
-        self._g = granularity(self.page_size, kernel_chunks)
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.config = config = config or CacheConfig()
+        self._g = granularity(self.page_size, kernel_chunks, config.checkpoint_grid)
+        self.admission = CheckpointAdmission.from_config(self._g, config)
+        self.policy: EvictionPolicy = make_policy(config.eviction)
         self.flops = as_flops(flops)
         self._clock = clock or itertools.count().__next__
         self.root = Node((), [], None, 0, self._clock())
@@ -95,9 +109,8 @@ class StateRadixCache(PrefixCache):
             c["flops_saved"] += self.flops(node.end)
         return MatchResult(kv_len, node.end, node, ckpt, path_pages(node), branch)
 
-    def continues(self, node: Node, tokens: Sequence[int]) -> bool:
-        """Whether the tree holds the page of `tokens` right after `node` (a node on their path):
-        an O(page) test for "a deeper match may exist" before paying for match_prefix."""
+    def continues(self, node: Node | None, tokens: Sequence[int]) -> bool:
+        node = node or self.root
         nxt = ids(tokens[node.end: node.end + self.page_size])
         return len(nxt) == self.page_size and nxt in node.children
 
@@ -192,7 +205,7 @@ class StateRadixCache(PrefixCache):
             else:
                 n = common_pages(child.key, tokens, pos, ps)
                 if n < len(child.key):
-                    child = split(child, n, ps)
+                    child = self._split(child, n)
                 theirs = mine[pos // ps: pos // ps + len(child.pages)]
                 if theirs != child.pages:
                     dups += [m for m, t in zip(theirs, child.pages) if m != t]
@@ -202,7 +215,7 @@ class StateRadixCache(PrefixCache):
         freed = self.kv_pool.free(dups)
         added = dropped = 0
         for p, slot in sorted(checkpoints.items()):
-            at = node_at(base if p >= base.end else self.root, tokens, p, ps)
+            at = self._node_at(base if p >= base.end else self.root, tokens, p)
             if at.checkpoint is None:
                 at.checkpoint = slot
                 self.state_pool.seal(slot)
@@ -215,6 +228,19 @@ class StateRadixCache(PrefixCache):
         self._counters["inserted_pages"] += new
         self._counters["inserted_checkpoints"] += added
         return InsertResult(node, got, new, freed, added, dropped, base.end // ps)
+
+    def _split(self, child: Node, n: int) -> Node:
+        """split() under the config: without split_keeps_checkpoint the lower part loses its
+        checkpoint (unless a request holds it locked)."""
+        upper = split(child, n, self.page_size)
+        if not self.config.split_keeps_checkpoint and child.lock_ref == 0:
+            self._counters["evicted_checkpoints"] += self._drop_checkpoint(child)
+        return upper
+
+    def _node_at(self, root: Node, tokens: tuple[int, ...], pos: int) -> Node:
+        """The node ending at pos on the cached path of tokens, splitting an edge if needed."""
+        node = node_at(root, tokens, pos, self.page_size)
+        return self._split(node, pos - node.start) if node.end > pos else node
 
     def _check_insert(self, tokens: tuple[int, ...], mine: list[int], checkpoints: dict[int, int],
                       base: Node) -> None:
@@ -265,6 +291,7 @@ class StateRadixCache(PrefixCache):
             ckpts += self._evict_checkpoints(num_checkpoints - ckpts)
         self._counters["evicted_pages"] += pages
         self._counters["evicted_checkpoints"] += ckpts
+        log.debug("evicted %d pages and %d checkpoints (asked %d, %d)", pages, ckpts, num_pages, num_checkpoints)
         return EvictResult(pages, ckpts)
 
     def _evict_leaves(self, num_pages: int) -> tuple[int, int]:

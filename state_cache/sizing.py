@@ -48,7 +48,8 @@ class MemoryPlan:
             f"  checkpoints:  {self.num_checkpoints} x {_fmt(self.bytes_per_slot)} = {_fmt(self.checkpoint_bytes)}",
             f"  KV pages:     {self.num_pages} x {self.page_size} tokens x {_fmt(self.bytes_per_token)}/token"
             f" = {_fmt(self.kv_bytes)} ({self.num_pages * self.page_size} tokens)",
-            f"  one checkpoint holds as many bytes as {self.bytes_per_slot / max(self.bytes_per_token, 1):.0f} KV tokens",
+            f"  one checkpoint holds as many bytes as "
+            f"{self.bytes_per_slot / max(self.bytes_per_token, 1):.0f} KV tokens",
         ])
 
 

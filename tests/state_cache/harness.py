@@ -12,7 +12,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from state_cache import (
-    CheckpointAdmission, DecodeCheckpoint, KVPool, MatchResult, StatePool, StateRadixCache,
+    CheckpointAdmission,
+    DecodeCheckpoint,
+    KVPool,
+    MatchResult,
+    StatePool,
+    StateRadixCache,
 )
 
 KV_LAYERS = [{"kv": (1, 2)}]

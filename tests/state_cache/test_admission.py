@@ -1,7 +1,7 @@
 """Checkpoint admission: which positions of a prefill round or a decode step get a checkpoint."""
 import pytest
 
-from state_cache import CheckpointAdmission, DecodeCheckpoint
+from state_cache import CacheConfig, CheckpointAdmission, DecodeCheckpoint
 
 
 def test_prefill_admits_chunk_end_resend_point_and_branch():
@@ -41,3 +41,27 @@ def test_admission_rejects_bad_arguments():
         CheckpointAdmission(0)
     with pytest.raises(ValueError, match="start"):
         CheckpointAdmission(64).prefill(10, 5, 20)
+
+
+def test_each_rule_can_be_switched_off():
+    """The configured rules are the only ones: chunk ends, the resend point, branch points and
+    the rolling decode point each go when their CacheConfig switch is off."""
+    g = 64
+    full = CheckpointAdmission.from_config(g, CacheConfig())
+    assert full.prefill(0, 256, 400, branch_pos=64) == [64, 256]  # branch point, chunk end
+    assert full.prefill(192, 300, 300) == [256]  # the resend point
+    for name, want in {"checkpoint_chunk_ends": [64], "checkpoint_branch_points": [256]}.items():
+        a = CheckpointAdmission.from_config(g, CacheConfig(**{name: False}))
+        assert a.prefill(0, 256, 400, branch_pos=64) == want, name
+    no_resend = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_last_prompt=False))
+    assert no_resend.prefill(192, 300, 300) == []
+    no_decode = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_decode=False, checkpoint_interval=256))
+    assert [no_decode.decode(p) for p in (128, 256)] == [DecodeCheckpoint.NONE, DecodeCheckpoint.KEEP]
+
+
+def test_config_checks_name_the_field():
+    """Bad CacheConfig values raise ValueError naming the field."""
+    with pytest.raises(ValueError, match="checkpoint_grid"):
+        CacheConfig(checkpoint_grid=0)
+    with pytest.raises(ValueError, match="checkpoint_interval=192 must be a multiple of checkpoint_grid=128"):
+        CacheConfig(checkpoint_grid=128, checkpoint_interval=192)

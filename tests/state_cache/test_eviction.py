@@ -5,16 +5,25 @@ import pytest
 import torch
 
 from state_cache import (
-    Candidate, KVPool, PrefillFlops, StatePool, StateRadixCache, make_policy, make_pools, plan_memory,
-    policy_names, register,
+    CacheConfig,
+    Candidate,
+    KVPool,
+    PrefillFlops,
+    StatePool,
+    StateRadixCache,
+    make_policy,
+    make_pools,
+    plan_memory,
+    policy_names,
+    register,
 )
-from state_cache.eviction import LRUPolicy, _POLICIES, as_flops
+from state_cache.eviction import _POLICIES, LRUPolicy, as_flops
 from tests.state_cache.harness import KV_LAYERS, STATE_LAYERS, ToyEngine
 
 
 def _cache(policy, page=2, chunk=4, pages=64, ckpts=8, flops=(1.0, 1.0)) -> StateRadixCache:
     return StateRadixCache(KVPool(pages, page, [{"kv": (1, 4)}]), StatePool(1, ckpts, STATE_LAYERS),
-                           {"kda": chunk}, policy=policy, flops=flops)
+                           {"kda": chunk}, config=CacheConfig(eviction=policy), flops=flops)
 
 
 def _insert(cache, tokens, ckpt_positions=()):
@@ -28,7 +37,7 @@ def test_locked_prefixes_survive_eviction_under_a_byte_budget(policy):
     plan = plan_memory(KV_LAYERS, STATE_LAYERS, budget_bytes=12_000, page_size=8, max_running=2,
                        checkpoint_share=0.25, kv_dtype=torch.float64)
     kv, st = make_pools(plan, KV_LAYERS, STATE_LAYERS, torch.float64, "cpu")
-    cache = StateRadixCache(kv, st, {"kda": 16}, policy=policy, flops=(1.0, 0.01))
+    cache = StateRadixCache(kv, st, {"kda": 16}, config=CacheConfig(eviction=policy), flops=(1.0, 0.01))
     engine = ToyEngine(cache, chunk=32, interval=32)
     rng = random.Random(1)
     held = [rng.randrange(100) for _ in range(100)]
@@ -103,7 +112,7 @@ def test_policy_registry_by_name():
     assert {"lru", "utility"} <= set(policy_names())
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; known: .*lru.*utility"):
         make_policy("fifo")
-    with pytest.raises(ValueError, match="policy: unknown"):
+    with pytest.raises(ValueError, match="eviction: unknown eviction policy 'fifo'; known: .*lru.*utility"):
         _cache("fifo")
 
     @register("newest_first")

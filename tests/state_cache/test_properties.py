@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from state_cache import KVPool, StatePool, StateRadixCache
+from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache
 
 TOKENS = st.lists(st.integers(0, 2), max_size=20).map(tuple)
 
@@ -40,7 +40,7 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self, page, g_pages, policy, num_pages, num_ckpts):
         kv = KVPool(num_pages, page, [{"kv": (1,)}], torch.float64, "cpu")
         sp = StatePool(1, num_ckpts, [{"s": ((1,), torch.float64)}], "cpu")
-        self.cache = StateRadixCache(kv, sp, {"kda": page * g_pages}, policy=policy, flops=(1.0, 0.5))
+        self.cache = StateRadixCache(kv, sp, {"kda": page * g_pages}, CacheConfig(eviction=policy), flops=(1.0, 0.5))
         self.ps, self.g = page, page * g_pages
         self.ref_kv: dict[tuple, int] = {}
         self.ref_ck: dict[tuple, int] = {}

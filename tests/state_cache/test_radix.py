@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from state_cache import KVPool, StatePool, StateRadixCache, granularity
+from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache, granularity
 from tests.state_cache.harness import ToyEngine, make_cache
 
 
@@ -195,7 +195,8 @@ def test_no_tensor_cache_behaves_like_the_tensor_cache():
                for _ in range(12)]
     results = []
     for tensors in (True, False):
-        cache = make_cache(8, 16, num_tokens=384, num_checkpoints=6, tensors=tensors, policy="utility")
+        cache = make_cache(8, 16, num_tokens=384, num_checkpoints=6, tensors=tensors,
+                           config=CacheConfig(eviction="utility"))
         engine = ToyEngine(cache, chunk=32)
         matches = [engine.run(p, [1, 2, 3]).match[:2] for p in prompts]
         cache.check_integrity()
@@ -263,3 +264,25 @@ def test_bad_start_node_is_refused():
         cache.match_prefix([5] * 9, start=r.node)
     cache.unlock(r.node)
     cache.check_integrity()
+
+
+def test_coarser_checkpoint_grid():
+    """checkpoint_grid raises G to a multiple of max(chunk, page); anything else is refused."""
+    cache = _cache(page=2, chunk=4, config=CacheConfig(checkpoint_grid=12))
+    assert cache.granularity == 12 and cache.admission.granularity == 12
+    with pytest.raises(ValueError, match="checkpoint_grid=6 must be a positive multiple of G=4"):
+        _cache(page=2, chunk=4, config=CacheConfig(checkpoint_grid=6))
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_split_keeps_or_drops_the_checkpoint(keeps):
+    """A node split by a diverging insert keeps its checkpoint (it still ends where it did)
+    unless split_keeps_checkpoint is off; then the resend of the first sequence no longer hits."""
+    cache = _cache(config=CacheConfig(split_keeps_checkpoint=keeps))
+    a = list(range(16))
+    _insert(cache, a, [12])
+    _insert(cache, a[:8] + [99] * 8)  # shares 8 tokens: splits a's node at 8
+    m = cache.match_prefix(a)
+    assert m.state_len == (12 if keeps else 0)
+    cache.check_integrity()
+    assert cache.stats().checkpoints_cached == (1 if keeps else 0)

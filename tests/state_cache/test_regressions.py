@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from state_cache import StatePool, StateRadixCache, KVPool
+from state_cache import KVPool, StatePool, StateRadixCache
 from tests.state_cache.harness import ToyEngine, make_cache, reference_state
 
 CHUNK = 64
