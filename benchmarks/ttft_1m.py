@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridserve.sim import SimClock, SimExecutor, simulate
-from scheduler import CostModel, PolicyConfig, Req, Scheduler
+from scheduler import CostModel, Req, Scheduler, SchedulerConfig
 from state_cache import KVPool, StatePool, StateRadixCache
 
 RESULTS = Path(__file__).parent / "results"
@@ -37,10 +37,9 @@ def run(cost: CostModel, name: str, kw: dict, slo: float, streams: int, prompt: 
     clock = SimClock()
     pages = LONG // 64 + streams * ((prompt + 8192) // 64 + 2)
     cache = StateRadixCache(KVPool(pages, 64), StatePool(streams + 8, 256), {"kda": cost.chunk})
-    cfg = PolicyConfig(name=name, ttft_slo=lambda n: slo if n == LONG else 5.0, **kw)
-    s = Scheduler(cache, cfg, cost, clock, max_running=streams + 8)
-    decoders = [Req(f"s{i}", [1000 + i] * prompt, 8192, arrival=0.0) for i in range(streams)]
-    long = Req("long", [7] * LONG, 4, arrival=1.0)
+    s = Scheduler(cache, SchedulerConfig(policy=name, max_running=streams + 8, **kw), cost, clock)
+    decoders = [Req(f"s{i}", [1000 + i] * prompt, 8192, arrival=0.0, deadline=5.0) for i in range(streams)]
+    long = Req("long", [7] * LONG, 4, arrival=1.0, deadline=1.0 + slo)
     t0 = time.perf_counter()
     sim = simulate(s, SimExecutor(cost, clock), decoders + [long], stop=lambda: long.first_token_at is not None)
     end = clock.now

@@ -1,6 +1,7 @@
 """What the scheduler hands the executor, and what it gets back."""
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -47,3 +48,12 @@ class StepOutput(NamedTuple):
     tokens: list[int]
     elapsed: float = 0.0
     extras: list | None = None
+
+
+class Executor(ABC):
+    """Runs a scheduled round: the model runner (real forwards) and the `sim` executor (the
+    cost model advances a clock) both implement this, so the scheduler drives either."""
+
+    @abstractmethod
+    def run(self, batch: Batch) -> StepOutput:
+        """One token per `batch.sampling_reqs` row, and the seconds the round took."""

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import math
 
-from state_cache import CheckpointAdmission, DecodeCheckpoint, MatchResult, StateRadixCache
 from scheduler.request import Req
+from state_cache import DecodeCheckpoint, MatchResult, PrefixCache
 
 
 class CacheManager:
-    def __init__(self, cache: StateRadixCache, checkpoint_interval: int | None = None):
+    """Where checkpoints go is the cache's `admission`; with `enable_prefix_cache` off in its
+    config, requests never resume from it (what they compute is still inserted)."""
+
+    def __init__(self, cache: PrefixCache):
         self.cache = cache
         self.kv = cache.kv_pool
         self.states = cache.state_pool
         self.page_size = cache.page_size
         self.g = cache.granularity
-        self.admission = CheckpointAdmission(self.g, checkpoint_interval)
-        self.hits = True  # False: never resume from the cache (everything is still inserted)
+        self.admission = cache.admission
+        self.hits = cache.config.enable_prefix_cache
 
     def match(self, req: Req, record: bool = True) -> MatchResult:
         """The cached prefix of req's fill ids (walked from the node req holds, if any)."""
@@ -33,7 +36,7 @@ class CacheManager:
 
     def deeper_cached(self, req: Req) -> bool:
         """Whether the tree may hold more of req's fill than req does (an O(page) test)."""
-        return self.hits and self.cache.continues(req.node or self.cache.root, req.token_ids(req.fill_len))
+        return self.hits and self.cache.continues(req.node, req.token_ids(req.fill_len))
 
     def pages_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.page_size)

@@ -1,6 +1,7 @@
-"""Round planning: which prefill chunks and decode rows go into the next forward.
+"""Scheduling policies: which prefill chunks and decode rows go into the next forward.
 
-Four named policies share one code path (`plan_round`):
+Each policy is a registered class that owns its request order (admission and prefill) and
+its round planning; the scheduler calls only these methods:
   tokens          fixed token budget, one chunked request at a time, prefill first (decode
                   waits for prefill rounds unless `mixed_chunk`): SGLang's default.
   budget          one token budget shared with decode, decode first: vLLM V1's default.
@@ -14,13 +15,15 @@ Middle chunks end on multiples of G; only a request's last chunk ends anywhere.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, NamedTuple, Sequence
 
 from scheduler.cost import BatchShape, CostModel
 from scheduler.request import Req
 
-POLICIES = ("tokens", "budget", "serial", "serial+deadline")
+if TYPE_CHECKING:
+    from scheduler.config import SchedulerConfig
 
 
 @dataclass(frozen=True)
@@ -34,27 +37,6 @@ class LinearSlo:
         return self.base + self.per_token * prompt_len
 
 
-@dataclass(frozen=True)
-class PolicyConfig:
-    name: str = "serial+deadline"
-    token_budget: int = 2048  # tokens / budget: tokens per round
-    target_step: float = 0.05  # serial*: predicted seconds per round (set from the ITL SLO)
-    max_step: float = 0.25  # serial+deadline: cap when a chunk grows for a deadline
-    mixed_chunk: bool = False  # tokens: let decode rows ride with the prefill chunk
-    decode_steps_between_prefills: int = 0  # tokens: decode-only rounds after each prefill round
-    ttft_slo: Callable[[int], float] = LinearSlo()
-
-    def __post_init__(self):
-        if self.name not in POLICIES:
-            raise ValueError(f"name: unknown policy {self.name!r}; known: {list(POLICIES)}")
-        if self.token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
-        if not 0 < self.target_step <= self.max_step:
-            raise ValueError(f"target_step must be in (0, max_step={self.max_step}], got {self.target_step}")
-        if self.decode_steps_between_prefills < 0:
-            raise ValueError(f"decode_steps_between_prefills must be >= 0, got {self.decode_steps_between_prefills}")
-
-
 class Pick(NamedTuple):
     req: Req
     start: int
@@ -66,6 +48,159 @@ class Plan(NamedTuple):
     decodes: list[Req]
 
 
+class SchedulingPolicy(ABC):
+    """Orders requests and plans rounds. `uses_cost_model`: whether planning reads the cost
+    model (an engine fits one at start-up only for such policies)."""
+
+    name: ClassVar[str]
+    uses_cost_model: ClassVar[bool] = False
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel, g: int):
+        self.config, self.cost, self.g = config, cost, g
+
+    def admission_order(self, waiting: Sequence[Req]) -> list[Req]:
+        """The order in which waiting requests are considered for admission (default FIFO)."""
+        return list(waiting)
+
+    def prefill_order(self, prefills: Sequence[Req], admitted: Mapping[Req, int]) -> list[Req]:
+        """The order prompt work is served in: partially prefilled first, then admission order."""
+        return sorted(prefills, key=lambda r: (r.extend_end == r.cached_tokens, admitted[r]))
+
+    @abstractmethod
+    def plan(self, prefills: Sequence[Req], decodes: Sequence[Req], now: float) -> Plan:
+        """The chunks and decode rows of the next round. prefills: requests with prompt work
+        left, in `prefill_order`; decodes: requests ready for a decode row."""
+
+    def scheduled(self, has_chunks: bool) -> None:  # noqa: B027 (an optional hook)
+        """Told after each round is placed, whether it holds prefill chunks."""
+
+
+_POLICIES: dict[str, type[SchedulingPolicy]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a scheduling policy selectable by `name`."""
+
+    def deco(cls: type[SchedulingPolicy]) -> type[SchedulingPolicy]:
+        cls.name = name
+        _POLICIES[name] = cls
+        return cls
+
+    return deco
+
+
+def policy_names() -> list[str]:
+    return list(_POLICIES)
+
+
+def policy_class(name: str) -> type[SchedulingPolicy]:
+    """The policy registered as `name`; ValueError lists the known names."""
+    if name not in _POLICIES:
+        raise ValueError(f"policy: unknown scheduling policy {name!r}; known: {policy_names()}")
+    return _POLICIES[name]
+
+
+def scheduling_policy(config: SchedulerConfig, cost: CostModel, g: int) -> SchedulingPolicy:
+    """The policy `config.policy` names, built for a cache grid G."""
+    return policy_class(config.policy)(config, cost, g)
+
+
+class _TokenPolicy(SchedulingPolicy):
+    def __init__(self, config: SchedulerConfig, cost: CostModel, g: int):
+        super().__init__(config, cost, g)
+        if config.token_budget < g:
+            raise ValueError(f"token_budget={config.token_budget} is below the checkpoint grid G={g}")
+
+
+@register("tokens")
+class TokenBudget(_TokenPolicy):
+    """A fixed token budget per round, one partially prefilled prompt at a time, prefill first."""
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel, g: int):
+        super().__init__(config, cost, g)
+        self.decode_turns = 0  # decode-only rounds still owed (decode_steps_between_prefills)
+
+    def plan(self, prefills: Sequence[Req], decodes: Sequence[Req], now: float) -> Plan:
+        if not prefills or self.decode_turns:
+            return Plan([], list(decodes))
+        chunks = _fill_tokens(prefills, self.config.token_budget, self.g, one_partial=True)
+        return Plan(chunks, list(decodes) if self.config.mixed_chunk else [])
+
+    def scheduled(self, has_chunks: bool) -> None:
+        self.decode_turns = self.config.decode_steps_between_prefills if has_chunks else max(0, self.decode_turns - 1)
+
+
+@register("budget")
+class SharedBudget(_TokenPolicy):
+    """One token budget shared with decode, decode rows first."""
+
+    def plan(self, prefills: Sequence[Req], decodes: Sequence[Req], now: float) -> Plan:
+        rows = list(decodes[: self.config.token_budget])
+        return Plan(_fill_tokens(prefills, self.config.token_budget - len(rows), self.g, one_partial=False), rows)
+
+
+@register("serial")
+class SerialBudget(SchedulingPolicy):
+    """Decode rides along; prefill fills the round up to target_step predicted seconds."""
+
+    uses_cost_model = True
+
+    def plan(self, prefills: Sequence[Req], decodes: Sequence[Req], now: float) -> Plan:
+        return Plan(self._fill_time(prefills, list(decodes), now), list(decodes))
+
+    def grow(self, r: Req, base: float, now: float) -> float | None:
+        """A larger round time r needs than target_step (None: none)."""
+        return None
+
+    def _fill_time(self, prefills: Sequence[Req], decodes: list[Req], now: float) -> list[Pick]:
+        """Add chunks while the predicted round time stays under target; the first request
+        always advances by at least one G step, and `grow` may allow an urgent one more."""
+        cost, target = self.cost, self.config.target_step
+        ctx = [r.prefix_len for r in decodes]
+        chunks: list[Pick] = []
+
+        def shape(extra: Pick | None = None) -> BatchShape:
+            picks = chunks + ([extra] if extra else [])
+            return BatchShape([(p.start, p.end - p.start) for p in picks], ctx)
+
+        def step_to(r: Req, start: int) -> Callable[[int], float]:
+            """Predicted round time with r's chunk [start, end) added, as a function of end."""
+            return lambda end: cost.step_time(shape(Pick(r, start, end)))
+
+        for r in prefills:
+            start = r.extend_end
+            ends = Ends(start, r.fill_len, self.g)
+            step = step_to(r, start)
+            end = ends.largest(step, target)
+            tau = self.grow(r, cost.step_time(shape()), now)
+            if tau is not None and tau > target:
+                end = ends.largest(step, tau) or end
+            if end is None:
+                if chunks:
+                    break  # nothing more fits this round
+                end = ends[0]
+            chunks.append(Pick(r, start, end))
+        return chunks
+
+
+@register("serial+deadline")
+class SerialDeadline(SerialBudget):
+    """serial, earliest deadline first; a late prompt's round grows up to max_step."""
+
+    def admission_order(self, waiting: Sequence[Req]) -> list[Req]:
+        return sorted(waiting, key=_deadline)
+
+    def prefill_order(self, prefills: Sequence[Req], admitted: Mapping[Req, int]) -> list[Req]:
+        return sorted(prefills, key=_deadline)
+
+    def grow(self, r: Req, base: float, now: float) -> float | None:
+        return deadline_step(self.config.max_step, self.cost, r, base, now)
+
+
+def _deadline(r: Req) -> float:
+    return math.inf if r.deadline is None else r.deadline
+
+
 def cut(start: int, want: int, fill_len: int, g: int) -> int:
     """End of a chunk of about `want` tokens from `start`: the fill end if within reach, else
     the last multiple of G at or below start + want (at least one G step)."""
@@ -73,26 +208,6 @@ def cut(start: int, want: int, fill_len: int, g: int) -> int:
         return fill_len
     end = (start + want) // g * g
     return end if end > start else min(start // g * g + g, fill_len)
-
-
-def plan_round(cfg: PolicyConfig, cost: CostModel, g: int, prefills: Sequence[Req], decodes: Sequence[Req],
-               now: float, prefill_turn: bool = True) -> Plan:
-    """The chunks and decode rows of the next round.
-
-    prefills: requests with prompt work left, in the order the policy serves them (the
-    caller sorts: partially prefilled first for `tokens`, by deadline for `serial+deadline`).
-    decodes: requests ready for a decode row. prefill_turn: False during the decode-only
-    rounds `decode_steps_between_prefills` asks for (tokens policy).
-    """
-    if cfg.name == "tokens":
-        if not prefills or not prefill_turn:
-            return Plan([], list(decodes))
-        chunks = _fill_tokens(prefills, cfg.token_budget, g, one_partial=True)
-        return Plan(chunks, list(decodes) if cfg.mixed_chunk else [])
-    if cfg.name == "budget":
-        rows = list(decodes[: cfg.token_budget])
-        return Plan(_fill_tokens(prefills, cfg.token_budget - len(rows), g, one_partial=False), rows)
-    return Plan(_fill_time(cfg, cost, g, prefills, list(decodes), now), list(decodes))
 
 
 def _fill_tokens(prefills: Sequence[Req], budget: int, g: int, one_partial: bool) -> list[Pick]:
@@ -107,34 +222,6 @@ def _fill_tokens(prefills: Sequence[Req], budget: int, g: int, one_partial: bool
         budget -= end - r.extend_end
         if one_partial and end < r.fill_len:
             break
-    return chunks
-
-
-def _fill_time(cfg: PolicyConfig, cost: CostModel, g: int, prefills: Sequence[Req], decodes: list[Req],
-               now: float) -> list[Pick]:
-    """Add chunks while the predicted round time stays under target; the first request always
-    advances by at least one G step, and under deadlines an urgent one may grow to max_step."""
-    ctx = [r.prefix_len for r in decodes]
-    chunks: list[Pick] = []
-
-    def shape(extra: Pick | None = None) -> BatchShape:
-        picks = chunks + ([extra] if extra else [])
-        return BatchShape([(p.start, p.end - p.start) for p in picks], ctx)
-
-    for r in prefills:
-        start = r.extend_end
-        ends = Ends(start, r.fill_len, g)
-        step = lambda e: cost.step_time(shape(Pick(r, start, e)))  # noqa: E731
-        end = ends.largest(step, cfg.target_step)
-        if cfg.name == "serial+deadline":
-            tau = deadline_step(cfg, cost, r, cost.step_time(shape()), now)
-            if tau > cfg.target_step:
-                end = ends.largest(step, tau) or end
-        if end is None:
-            if chunks:
-                break  # nothing more fits this round
-            end = ends[0]
-        chunks.append(Pick(r, start, end))
     return chunks
 
 
@@ -166,7 +253,7 @@ class Ends(Sequence[int]):
         return self[lo] if lo >= 0 else None
 
 
-def deadline_step(cfg: PolicyConfig, cost: CostModel, r: Req, base: float, now: float) -> float:
+def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: float) -> float:
     """The round time that lets r finish its fill by its deadline (capped at max_step).
 
     The prefill work left, W = c_tok * rest + c_attn * layers * (fill^2 - start^2) / 2 +
@@ -179,8 +266,8 @@ def deadline_step(cfg: PolicyConfig, cost: CostModel, r: Req, base: float, now: 
     start, fill = r.extend_end, r.fill_len
     work = (cost.c_tok * (fill - start) + cost.c_attn * cost.attn_layers * (fill * fill - start * start) / 2
             + cost.c_serial * cost.serial_steps(fill - start))
-    left = r.deadline - now - cfg.max_step  # one round of slack
+    left = _deadline(r) - now - max_step  # one round of slack
     base = base or cost.c0
     if left <= work:
-        return cfg.max_step  # late already: as fast as the cap allows
-    return min(cfg.max_step, base * left / (left - work))
+        return max_step  # late already: as fast as the cap allows
+    return min(max_step, base * left / (left - work))

@@ -11,7 +11,6 @@ cursor extend_end runs ahead, `inflight_middle_chunks` counts the chunks in flig
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +29,8 @@ class Req:
     max_new_tokens: int
     sampling: Any = None  # opaque to the scheduler (the engine's SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
-    arrival: float = 0.0
-    deadline: float = math.inf
+    arrival: float | None = None  # None: stamped with the scheduler's clock when added
+    deadline: float | None = None  # None: arrival + the scheduler's TTFT SLO of the prompt
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     prefix_len: int = 0

@@ -11,47 +11,59 @@ No tensor is touched here; the clock is injected, so the `sim` executor runs thi
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from typing import Callable
 
 from scheduler.batch import Batch, Chunk, StepOutput
 from scheduler.cache_manager import CacheManager
+from scheduler.config import SchedulerConfig
 from scheduler.cost import BatchShape, CostModel
-from scheduler.policy import PolicyConfig, plan_round
+from scheduler.policy import scheduling_policy
 from scheduler.request import Req, Status
-from state_cache import StateRadixCache
+from state_cache import CacheStats, PrefixCache
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, cache: StateRadixCache, policy: PolicyConfig, cost: CostModel, clock: Callable[[], float],
-                 max_running: int = 64, decode_reserve: float = 1.0, checkpoint_interval: int | None = None):
-        if max_running < 1:
-            raise ValueError(f"max_running must be >= 1, got {max_running}")
-        if not 0 < decode_reserve <= 1:
-            raise ValueError(f"decode_reserve must be in (0, 1], got {decode_reserve}")
-        if policy.name in ("tokens", "budget") and policy.token_budget < cache.granularity:
-            raise ValueError(f"token_budget={policy.token_budget} is below the checkpoint grid G={cache.granularity}")
-        self.mem = CacheManager(cache, checkpoint_interval)
-        self.policy, self.cost, self.clock = policy, cost, clock
-        self.max_running, self.decode_reserve = max_running, decode_reserve
+    """The policy (`config.policy`, a registered SchedulingPolicy) orders and plans; the
+    cache manager moves pages, slots and checkpoints between requests and the cache."""
+
+    def __init__(self, cache: PrefixCache, config: SchedulerConfig, cost: CostModel, clock: Callable[[], float]):
+        self.config, self.cost, self.clock = config, cost, clock
+        self.cache_manager = CacheManager(cache)
+        self.policy = scheduling_policy(config, cost, cache.granularity)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.inflight: deque[Batch] = deque()
         self._order = itertools.count()
         self._admitted: dict[Req, int] = {}
-        self._decode_turns = 0  # tokens policy: decode-only rounds still owed
         self.counters = dict(prefill_tokens=0, decode_tokens=0, rounds=0, retractions=0)
+
+    @property
+    def cache(self) -> PrefixCache:
+        return self.cache_manager.cache
+
+    def cache_stats(self) -> CacheStats:
+        return self.cache.stats()
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The most tokens one request can ever hold (the whole KV pool)."""
+        return self.cache.kv_pool.num_pages * self.cache.page_size
 
     # -- requests ------------------------------------------------------------------------
 
     def add(self, req: Req) -> None:
         """Queue a request; ValueError if it can never fit the KV pool."""
-        need = self.mem.pages_for(req.max_len)
-        if need > self.mem.kv.num_pages:
+        if req.max_len > self.kv_capacity_tokens:
             raise ValueError(f"prompt + max_new_tokens = {req.max_len} tokens exceeds the KV pool's capacity "
-                             f"of {self.mem.kv.num_pages * self.mem.page_size} tokens")
-        req.arrival = req.arrival or self.clock()
-        req.deadline = req.arrival + self.policy.ttft_slo(req.prompt_len)
+                             f"of {self.kv_capacity_tokens} tokens")
+        if req.arrival is None:
+            req.arrival = self.clock()
+        if req.deadline is None:
+            req.deadline = req.arrival + self.config.ttft_slo(req.prompt_len)
         req.fill_len = req.prompt_len
         self.waiting.append(req)
 
@@ -71,7 +83,27 @@ class Scheduler:
             del self._admitted[req]
         req.status, req.finish_reason = Status.FINISHED, reason
         if not self._busy(req):
-            self.mem.release(req)
+            self.cache_manager.release(req)
+
+    def fail_inflight(self) -> list[Req]:
+        """After the executor failed: drop every round in flight and abort its requests
+        (their pages, active slots and the rounds' checkpoint slots are freed)."""
+        batches = list(self.inflight)
+        self.inflight.clear()
+        reqs = list(dict.fromkeys(r for b in batches for r in [c.req for c in b.chunks] + b.decodes))
+        for c in (c for b in batches for c in b.chunks):
+            c.req.inflight_middle_chunks -= not c.samples
+            self._free_checkpoints(c.checkpoints)
+        for r in reqs:
+            if r.finished:  # ended while in flight: its release was deferred to now
+                self.cache_manager.release(r)
+            else:
+                self.finish(r, "abort")
+        return reqs
+
+    def flush_cache(self) -> None:
+        """Drop everything the cache holds (RuntimeError while requests hold parts of it)."""
+        self.cache.flush()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.inflight)
@@ -87,9 +119,8 @@ class Scheduler:
         for r in prefills:
             if r not in busy and r.prefix_len == r.extend_end:
                 self._resume_from_cache(r)
-        prefills = self._order_prefills([r for r in prefills if r.remaining_fill > 0])
-        plan = plan_round(self.policy, self.cost, self.mem.g, prefills, decodes, now,
-                          prefill_turn=self._decode_turns == 0)
+        prefills = self.policy.prefill_order([r for r in prefills if r.remaining_fill > 0], self._admitted)
+        plan = self.policy.plan(prefills, decodes, now)
         placed: set[Req] = set()  # in this round: never a retraction victim
         decodes = []
         for r in plan.decodes:
@@ -102,12 +133,12 @@ class Scheduler:
                 break
             placed.add(pick.req)
             chunks.append(Chunk(pick.req, pick.start, pick.end,
-                                self.mem.chunk_checkpoints(pick.req, pick.start, pick.end)))
+                                self.cache_manager.chunk_checkpoints(pick.req, pick.start, pick.end)))
             pick.req.extend_end = pick.end
             pick.req.inflight_middle_chunks += pick.end < pick.req.fill_len
         if not chunks and not decodes:
             return None
-        self._decode_turns = (self.policy.decode_steps_between_prefills if chunks else max(0, self._decode_turns - 1))
+        self.policy.scheduled(bool(chunks))
         shape = BatchShape([(c.start, c.end - c.start) for c in chunks], [r.prefix_len for r in decodes])
         batch = Batch(chunks, decodes, shape, self.cost.step_time(shape))
         self.inflight.append(batch)
@@ -133,7 +164,7 @@ class Scheduler:
                 self._release_if_idle(r)
                 continue
             r.prefix_len = c.end
-            self.mem.stash(r, c.end, c.checkpoints)
+            self.cache_manager.stash(r, c.end, c.checkpoints)
             if c.samples:
                 r.status = Status.DECODE
                 self._append(r, sampled[id(r)], now)
@@ -144,7 +175,7 @@ class Scheduler:
                 self._release_if_idle(r)
                 continue
             r.prefix_len += 1
-            self.mem.after_decode(r)
+            self.cache_manager.after_decode(r)
             self._append(r, sampled[id(r)], now)
             changed.append(r)
         return changed
@@ -162,46 +193,39 @@ class Scheduler:
             self.finish(r, "length")
 
     def _admit(self) -> None:
-        order = sorted(self.waiting, key=lambda r: r.deadline) if self.policy.name == "serial+deadline" \
-            else list(self.waiting)
-        for req in order:
-            if len(self.running) >= self.max_running:
+        cm = self.cache_manager
+        for req in self.policy.admission_order(self.waiting):
+            if len(self.running) >= self.config.max_running:
                 break
             req.fill_len = len(req.all_ids)
-            m = self.mem.match(req)
-            self.mem.cache.lock(m.node)  # the hit pages are not ours to count as evictable
-            need = self.mem.pages_for(req.fill_len + req.max_new_tokens - len(req.output_ids)) - len(m.pages)
-            room = self.mem.kv.num_free + self.mem.cache.evictable_pages - self._reserved()
-            self.mem.cache.unlock(m.node)
-            if need * self.decode_reserve > room or not self.mem.admit(req, m):
-                break  # first come first served: later requests wait behind this one
+            m = cm.match(req)
+            cm.cache.lock(m.node)  # the hit pages are not ours to count as evictable
+            need = cm.pages_for(req.fill_len + req.max_new_tokens - len(req.output_ids)) - len(m.pages)
+            room = cm.kv.num_free + cm.cache.evictable_pages - self._reserved()
+            cm.cache.unlock(m.node)
+            if need * self.config.decode_reserve > room or not cm.admit(req, m):
+                break  # in policy order: later requests wait behind this one
             self.waiting.remove(req)
             req.status = Status.PREFILL
             self.running.append(req)
             self._admitted[req] = next(self._order)
 
     def _reserved(self) -> int:
-        return sum(self.mem.future_pages(r, self.decode_reserve) for r in self.running)
+        return sum(self.cache_manager.future_pages(r, self.config.decode_reserve) for r in self.running)
 
     def _resume_from_cache(self, r: Req) -> None:
         """Checkpoint-aware cutting: jump ahead if a deeper checkpoint of r's own prefix exists
         (another request put it there); the match walks from the node r holds."""
-        if not self.mem.deeper_cached(r):
+        if not self.cache_manager.deeper_cached(r):
             return
-        m = self.mem.match(r, record=False)
+        m = self.cache_manager.match(r, record=False)
         if m.state_len > r.prefix_len:
-            self.mem.adopt(r, m)
-
-    def _order_prefills(self, prefills: list[Req]) -> list[Req]:
-        if self.policy.name == "serial+deadline":
-            return sorted(prefills, key=lambda r: r.deadline)
-        # partially prefilled first (at most one under `tokens`), then arrival order
-        return sorted(prefills, key=lambda r: (r.extend_end == r.cached_tokens, self._admitted[r]))
+            self.cache_manager.adopt(r, m)
 
     def _room(self, r: Req, tokens: int, placed: set[Req]) -> bool:
         """Pages for r's first `tokens` positions, retracting the newest idle running requests
         (not r, not already placed in this round) while the pool is short."""
-        while not self.mem.ensure_pages(r, tokens):
+        while not self.cache_manager.ensure_pages(r, tokens):
             busy = self._busy_set()
             victims = [v for v in self.running if v is not r and v not in placed and v not in busy]
             if not victims:
@@ -209,10 +233,11 @@ class Scheduler:
             victim = max(victims, key=self._admitted.__getitem__)
             self.running.remove(victim)
             del self._admitted[victim]
-            self.mem.release(victim)  # its computed prefix stays in the tree where it can
+            self.cache_manager.release(victim)  # its computed prefix stays in the tree where it can
             victim.status, victim.prefix_len, victim.extend_end = Status.WAITING, 0, 0
             victim.retractions += 1
             self.counters["retractions"] += 1
+            log.info("retracted %s (%d tokens computed) to make room for %s", victim.rid, len(victim.all_ids), r.rid)
             self.waiting.appendleft(victim)
         return True
 
@@ -224,15 +249,15 @@ class Scheduler:
 
     def _release_if_idle(self, r: Req) -> None:
         if not self._busy(r):
-            self.mem.release(r)
+            self.cache_manager.release(r)
 
     def _free_checkpoints(self, checkpoints) -> None:
         for _, slot in checkpoints:
-            self.mem.states.free(slot)
+            self.cache_manager.states.free(slot)
 
     def check_integrity(self) -> None:
         """Pools and tree consistent, and every running request holds live pages and a slot."""
-        self.mem.cache.check_integrity()
+        self.cache.check_integrity()
         for r in self.running:
-            if r.state_slot is None or any(self.mem.kv.refcount(p) < 1 for p in r.kv_pages):
+            if r.state_slot is None or any(self.cache.kv_pool.refcount(p) < 1 for p in r.kv_pages):
                 raise RuntimeError(f"request {r.rid}: lost its slot or a page")

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from hybridserve.sim import SimClock, SimExecutor, simulate
-from scheduler import CostModel, PolicyConfig, Req, Scheduler
-from state_cache import KVPool, StatePool, StateRadixCache
+from scheduler import CostModel, Req, Scheduler, SchedulerConfig
+from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache
 
 COST = CostModel(c0=1e-3, c_tok=1e-5, c_attn=1e-10, c_dec_attn=1e-9, c_serial=1e-4, c_dec=1e-4, attn_layers=2)
 
@@ -11,9 +11,10 @@ COST = CostModel(c0=1e-3, c_tok=1e-5, c_attn=1e-10, c_dec_attn=1e-9, c_serial=1e
 def make(policy="serial", pages=4096, page_size=64, active=16, checkpoints=64, cost=COST, **kw):
     """(scheduler, executor) on a counting-only cache with G = max(64, page_size)."""
     clock = SimClock()
-    cache = StateRadixCache(KVPool(pages, page_size), StatePool(active, checkpoints), {"kda": 64})
-    sched_kw = {k: kw.pop(k) for k in ("max_running", "decode_reserve", "checkpoint_interval") if k in kw}
-    s = Scheduler(cache, PolicyConfig(name=policy, **kw), cost, clock, **sched_kw)
+    cache_kw = {k: kw.pop(k) for k in ("checkpoint_interval",) if k in kw}
+    cache = StateRadixCache(KVPool(pages, page_size), StatePool(active, checkpoints), {"kda": 64},
+                            CacheConfig(**cache_kw))
+    s = Scheduler(cache, SchedulerConfig(policy=policy, **kw), cost, clock)
     return s, SimExecutor(cost, clock)
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from hybridserve.sim import SimClock, SimExecutor, simulate
-from scheduler import CostModel, PolicyConfig, Req, Scheduler
+from scheduler import CostModel, Req, Scheduler, SchedulerConfig
 from state_cache import KVPool, StatePool, StateRadixCache
 
 H200 = CostModel.load("kimi_linear_48b_h200")
@@ -16,10 +16,11 @@ def run(policy: str, slo: float = SLO, **kw):
     clock = SimClock()
     pages = LONG // 64 + STREAMS * ((STREAM_PROMPT + STREAM_NEW) // 64 + 2)
     cache = StateRadixCache(KVPool(pages, 64), StatePool(STREAMS + 8, 256), {"kda": 64})
-    cfg = PolicyConfig(name=policy, ttft_slo=lambda n: slo if n == LONG else 5.0, **kw)
-    s = Scheduler(cache, cfg, H200, clock, max_running=STREAMS + 8)
-    streams = [Req(f"s{i}", [1000 + i] * STREAM_PROMPT, STREAM_NEW, arrival=0.0) for i in range(STREAMS)]
-    long = Req("long", [7] * LONG, 4, arrival=1.0)
+    kw = {"target_step": 0.05, **kw}  # a 50 ms ITL target on the H200
+    s = Scheduler(cache, SchedulerConfig(policy=policy, max_running=STREAMS + 8, **kw), H200, clock)
+    streams = [Req(f"s{i}", [1000 + i] * STREAM_PROMPT, STREAM_NEW, arrival=0.0, deadline=5.0)
+               for i in range(STREAMS)]
+    long = Req("long", [7] * LONG, 4, arrival=1.0, deadline=1.0 + slo)
     simulate(s, SimExecutor(H200, clock), streams + [long], stop=lambda: long.first_token_at is not None)
     end = clock.now  # a stream still waiting for its next token has an open gap until now
     gaps = [b - a for r in streams for a, b in zip(r.token_times, r.token_times[1:] + [end])]

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from scheduler import POLICIES, Req, StepOutput
+from scheduler import Req, StepOutput, policy_names
 from scheduler.policy import cut
 from tests.scheduler.helpers import make, prompt, req, run
 
@@ -20,19 +20,19 @@ def _chunks(s, ex, reqs):
     return seen
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", policy_names())
 def test_middle_chunks_end_on_the_grid(policy):
     """Every chunk that does not end a prompt ends on a multiple of G, under every policy."""
     s, ex = make(policy, token_budget=300, target_step=0.02)
     rng = random.Random(1)
     reqs = [req(f"r{i}", prompt(i, rng.randint(1, 900)), new=rng.randint(1, 8), at=i * 0.003) for i in range(20)]
     chunks = _chunks(s, ex, reqs)
-    g = s.mem.g
+    g = s.cache.granularity
     assert any(not c.samples for c in chunks)  # the workload does cut prompts
     assert all(c.end % g == 0 for c in chunks if not c.samples)
     assert all(r.finished and len(r.output_ids) == r.max_new_tokens for r in reqs)
-    s.mem.cache.flush()
-    assert s.mem.kv.num_free == s.mem.kv.num_pages and s.mem.states.num_free_checkpoints == 64
+    s.flush_cache()
+    assert s.cache.kv_pool.num_free == s.cache.kv_pool.num_pages and s.cache.state_pool.num_free_checkpoints == 64
 
 
 def test_cut_rule():
@@ -119,11 +119,11 @@ def test_abort_in_flight_frees_everything():
     s.add(r)
     b = s.schedule()
     assert s.abort(r) and r.finish_reason == "abort"
-    assert s.mem.states.num_free_active == 15  # still held while in flight
+    assert s.cache.state_pool.num_free_active == 15  # still held while in flight
     s.process(b, ex.run(b))
     s.check_integrity()
-    s.mem.cache.flush()
-    assert s.mem.kv.num_free == s.mem.kv.num_pages and s.mem.states.num_free_active == 16
+    s.flush_cache()
+    assert s.cache.kv_pool.num_free == s.cache.kv_pool.num_pages and s.cache.state_pool.num_free_active == 16
     assert not s.abort(r)
 
 
@@ -136,8 +136,8 @@ def test_retraction_frees_and_request_completes():
     assert s.counters["retractions"] > 0
     assert all(r.finished and len(r.output_ids) == 300 for r in reqs)
     assert any(r.retractions for r in reqs)
-    s.mem.cache.flush()
-    assert s.mem.kv.num_free == 30 and s.mem.states.num_free_active == 16
+    s.flush_cache()
+    assert s.cache.kv_pool.num_free == 30 and s.cache.state_pool.num_free_active == 16
 
 
 def test_request_larger_than_pool_is_rejected():

@@ -1,0 +1,55 @@
+"""SchedulerConfig: the scheduling policy and its knobs, one default and one check each."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.policy import LinearSlo, policy_names
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = field(default="serial+deadline", metadata={
+        "help": "scheduling policy: tokens (fixed token budget, one chunked prompt at a time, prefill first), "
+                "budget (one token budget shared with decode, decode first), serial (fill each round up to "
+                "--target-step predicted seconds), serial+deadline (serial, earliest TTFT deadline first; a late "
+                "prompt's chunk grows up to --max-step)",
+        "choices": policy_names})
+    max_running: int = field(default=32, metadata={
+        "help": "most requests admitted at once (one active state slot each)"})
+    token_budget: int = field(default=2048, metadata={
+        "help": "tokens per round under the tokens and budget policies"})
+    target_step: float = field(default=0.1, metadata={
+        "help": "seconds of predicted step time per round under the serial policies (from the ITL target)"})
+    max_step: float = field(default=0.5, metadata={
+        "help": "cap on a round's predicted seconds when serial+deadline grows a late prompt's chunk"})
+    mixed_chunk: bool = field(default=False, metadata={
+        "help": "tokens policy: let decode rows ride along with the prefill chunk"})
+    decode_steps_between_prefills: int = field(default=0, metadata={
+        "help": "tokens policy: decode-only rounds after each prefill round"})
+    decode_reserve: float = field(default=1.0, metadata={
+        "help": "share of each request's max_tokens whose KV pages admission reserves (1: admit only what "
+                "surely fits; lower admits more and retracts when the pool runs short)"})
+    ttft_slo_base: float = field(default=2.0, metadata={
+        "help": "TTFT deadline of a request: ttft_slo_base + ttft_slo_per_token * prompt tokens seconds"})
+    ttft_slo_per_token: float = field(default=2e-4, metadata={
+        "help": "seconds per prompt token added to the TTFT deadline"})
+
+    def __post_init__(self):
+        if self.policy not in policy_names():
+            raise ValueError(f"policy: unknown scheduling policy {self.policy!r}; known: {policy_names()}")
+        for name in ("max_running", "token_budget"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.target_step <= self.max_step:
+            raise ValueError(f"target_step must be in (0, max_step={self.max_step}], got {self.target_step}")
+        if self.decode_steps_between_prefills < 0:
+            raise ValueError(f"decode_steps_between_prefills must be >= 0, got {self.decode_steps_between_prefills}")
+        if not 0 < self.decode_reserve <= 1:
+            raise ValueError(f"decode_reserve must be in (0, 1], got {self.decode_reserve}")
+        for name in ("ttft_slo_base", "ttft_slo_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def ttft_slo(self) -> LinearSlo:
+        return LinearSlo(self.ttft_slo_base, self.ttft_slo_per_token)

@@ -1,0 +1,131 @@
+"""Scheduling policies are registered objects; the scheduler codes against the PrefixCache
+contract only; sentinels mean what they say (arrival, deadline, failed rounds)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from scheduler import Req, Scheduler, SchedulerConfig, policy_names, register
+from scheduler.policy import _POLICIES, Plan, SchedulingPolicy, _fill_tokens
+from state_cache import CacheConfig, KVPool, PrefixCache, StatePool, StateRadixCache
+from tests.scheduler.helpers import COST, make, prompt, req, run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_unknown_policy_lists_the_known_ones():
+    """An unknown policy name is refused where the config is made, naming every registered policy."""
+    assert policy_names() == ["tokens", "budget", "serial", "serial+deadline"]
+    with pytest.raises(ValueError, match=r"policy: unknown scheduling policy 'fifo'; known: \['tokens', 'budget'"):
+        SchedulerConfig(policy="fifo")
+
+
+def test_a_registered_policy_plugs_in_without_touching_the_scheduler():
+    """A new policy registered by name (here: newest request first, 128 tokens a round) is
+    used by the unchanged scheduler for admission order and round planning."""
+
+    @register("newest-first")
+    class NewestFirst(SchedulingPolicy):
+        def admission_order(self, waiting):
+            return sorted(waiting, key=lambda r: -r.arrival)
+
+        def prefill_order(self, prefills, admitted):
+            return sorted(prefills, key=lambda r: -r.arrival)
+
+        def plan(self, prefills, decodes, now):
+            return Plan(_fill_tokens(prefills, 128, self.g, one_partial=True), list(decodes))
+
+    try:
+        s, ex = make("newest-first", max_running=1)
+        reqs = [req(f"r{i}", prompt(i, 300), at=0.0 + i * 1e-9) for i in range(3)]
+        for r in reqs:
+            s.add(r)
+        run(s, ex, [])
+        assert all(r.finished for r in reqs)
+        firsts = sorted(reqs, key=lambda r: r.first_token_at)
+        assert [r.rid for r in firsts] == ["r2", "r1", "r0"]
+        assert isinstance(s.policy, NewestFirst) and s.policy.name == "newest-first"
+    finally:
+        del _POLICIES["newest-first"]
+
+
+def test_no_policy_name_branches_outside_the_registry():
+    """No module compares a policy's name to a literal: behaviour is the policy object's."""
+    names = "|".join(re.escape(n) for n in policy_names())
+    branch = re.compile(rf"""(==|!=|\bin\b)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
+    offenders = []
+    for package in ("hybridserve", "scheduler", "state_cache", "models", "benchmarks"):
+        for path in (ROOT / package).rglob("*.py"):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if branch.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not offenders, offenders
+
+
+class ContractOnly(PrefixCache):
+    """A StateRadixCache seen only through the PrefixCache contract: any other attribute raises."""
+
+    def __init__(self, inner: StateRadixCache):
+        self._inner = inner
+        self.kv_pool, self.state_pool, self.page_size = inner.kv_pool, inner.state_pool, inner.page_size
+        self.config, self.admission = inner.config, inner.admission
+
+    granularity = property(lambda self: self._inner.granularity)
+    evictable_pages = property(lambda self: self._inner.evictable_pages)
+
+
+for _name in PrefixCache.__abstractmethods__ - {"granularity", "evictable_pages"}:
+    setattr(ContractOnly, _name, (lambda n: lambda self, *a, **k: getattr(self._inner, n)(*a, **k))(_name))
+ContractOnly.__abstractmethods__ = frozenset()
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_scheduler_needs_only_the_cache_contract(policy):
+    """The scheduler and its cache manager run a shared-prefix workload (hits, chunked prefill,
+    decode checkpoints, eviction) through a cache that exposes nothing but PrefixCache."""
+    inner = StateRadixCache(KVPool(64, 64), StatePool(4, 6), {"kda": 64}, CacheConfig())
+    from hybridserve.sim import SimClock, SimExecutor, simulate
+
+    clock = SimClock()
+    s = Scheduler(ContractOnly(inner), SchedulerConfig(policy=policy, token_budget=256, max_running=3,
+                                                       target_step=0.01), COST, clock)
+    shared = prompt(1, 700)
+    reqs = [Req(f"r{i}", shared + prompt(10 + i, 50 + 40 * i), 70, arrival=i * 0.01) for i in range(6)]
+    simulate(s, SimExecutor(COST, clock), reqs, on_round=lambda sc: sc.check_integrity())
+    assert all(r.finished for r in reqs) and sum(r.cached_tokens for r in reqs) > 0
+    s.flush_cache()
+    assert inner.kv_pool.num_free == 64 and inner.state_pool.num_free_checkpoints == 6
+
+
+def test_arrival_at_zero_is_kept_and_none_is_stamped():
+    """A request that arrives at t=0 keeps arrival 0.0; only an unset arrival (None) takes the
+    scheduler's clock; an unset deadline is arrival + the TTFT SLO, a set one is kept."""
+    s, ex = make("serial", ttft_slo_base=3.0, ttft_slo_per_token=0.0)
+    ex.clock.now = 5.0
+    at_zero, unset, due = Req("a", [1] * 10, 2, arrival=0.0), Req("b", [2] * 10, 2), Req("c", [3] * 10, 2, deadline=9.0)
+    for r in (at_zero, unset, due):
+        s.add(r)
+    assert (at_zero.arrival, unset.arrival, due.arrival) == (0.0, 5.0, 5.0)
+    assert (at_zero.deadline, unset.deadline, due.deadline) == (3.0, 8.0, 9.0)
+
+
+def test_failed_rounds_are_dropped_by_the_scheduler():
+    """fail_inflight() drops every round in flight, aborts their requests and frees their pages,
+    active slots and the rounds' checkpoint slots; requests not in those rounds carry on."""
+    s, ex = make("serial", target_step=0.01, max_running=4, checkpoints=16)
+    a, b = req("a", prompt(1, 900), new=3), req("b", prompt(2, 300), new=3)
+    s.add(a)
+    batch = s.schedule()  # a's first chunks, with checkpoint slots
+    assert batch.chunks and any(c.checkpoints for c in batch.chunks)
+    s.add(b)
+    failed = s.fail_inflight()
+    assert failed == [a] and a.finish_reason == "abort" and not s.inflight
+    run(s, ex, [])
+    assert b.finished and b.finish_reason == "length"
+    s.check_integrity()
+    s.flush_cache()
+    st = s.cache.state_pool
+    assert s.cache.kv_pool.num_free == s.cache.kv_pool.num_pages
+    assert st.num_free_active == st.num_active and st.num_free_checkpoints == st.num_checkpoints
