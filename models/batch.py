@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Sequence
 
 import torch
 
-from kernels.attention import slot_mapping
+from kernels.attention import PAD_PAGE, slot_mapping
 
 
 class Segment(NamedTuple):
@@ -54,7 +54,7 @@ class ForwardBatch:
     prefix_lens: torch.Tensor  # [N]
     seq_lens: torch.Tensor  # [N] prefix_len + segment length
     state_slots: torch.Tensor  # [N]
-    page_table: torch.Tensor  # [N, P] (padded with 0)
+    page_table: torch.Tensor  # [N, P] (padded with PAD_PAGE)
     kv_slots: torch.Tensor  # [T] flat KV slot (page * page_size + offset) of each new token
     checkpoint_at: torch.Tensor  # [C] packed positions (see Segment.checkpoints)
     checkpoint_slots: torch.Tensor  # [C]
@@ -108,7 +108,7 @@ class ForwardBatch:
                 ck_at.append(start + p - s.prefix_len)
                 ck_slots.append(slot)
         width = max(len(s.pages) for s in segments)
-        table = [list(s.pages) + [0] * (width - len(s.pages)) for s in segments]
+        table = [list(s.pages) + [PAD_PAGE] * (width - len(s.pages)) for s in segments]
         wanted = range(len(segments)) if logits_for is None else logits_for
         logits_at = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i in wanted]
 

@@ -25,6 +25,7 @@ class ModelConfig:
     layer_kinds[i] is the kind of layer i; kv_shapes has one entry per "attn" layer (in
     layer order), state_shapes one per linear layer; kernel_chunks gives the chunk size of
     the chunkwise kernel of each linear kind present (the checkpoint grid divides by it).
+    dtype: what the model runs in (weights, activations, KV); may differ from the declared one.
     """
 
     model_type: str
@@ -68,7 +69,7 @@ class ModelConfig:
 
     @classmethod
     def uniform(cls, hf, kinds: tuple[str, ...], kv: KVShapes, state: StateShapes,
-                kernel_chunks: Mapping[str, int]) -> "ModelConfig":
+                kernel_chunks: Mapping[str, int], dtype: torch.dtype) -> "ModelConfig":
         """A config whose attention layers share one KV layout and linear layers one state
         layout (true of every supported model); the rest is read from the HF config."""
         return cls(
@@ -78,7 +79,7 @@ class ModelConfig:
             hidden_size=hf.hidden_size,
             max_position=hf.max_position_embeddings,
             eos_token_ids=eos_ids(hf),
-            dtype=hf_dtype(hf),
+            dtype=dtype,
             kv_shapes=tuple(kv for k in kinds if k == "attn"),
             state_shapes=tuple(state for k in kinds if k in LINEAR_KINDS),
             kernel_chunks=kernel_chunks,
@@ -86,11 +87,13 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_hf(cls, hf_config) -> "ModelConfig":
-        """Convert a transformers config (e.g. `AutoConfig.from_pretrained(path)`)."""
+    def from_hf(cls, hf_config, dtype: torch.dtype | None = None) -> "ModelConfig":
+        """Convert a transformers config (e.g. `AutoConfig.from_pretrained(path)`) for running
+        in `dtype` (default: the checkpoint's): states kept in the activation dtype (conv
+        tails) take it, recurrent states keep the dtype the model declares (fp32)."""
         from models.registry import model_class
 
-        return model_class(hf_config.model_type).model_config(hf_config)
+        return model_class(hf_config.model_type).model_config(hf_config, dtype or hf_dtype(hf_config))
 
 
 def hf_dtype(hf_config, default: torch.dtype = torch.bfloat16) -> torch.dtype:

@@ -7,14 +7,13 @@ from torch import nn
 
 import kernels
 from kernels.attention import write_kv
+from kernels.kda import CHUNK
 from models.batch import ForwardBatch
-from models.config import ModelConfig, hf_dtype
+from models.config import ModelConfig
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
 from models.layers.state import delta_rule, short_conv
-
-KDA_CHUNK = 64
 
 
 class KimiDeltaAttention(nn.Module):
@@ -61,7 +60,8 @@ class MLAttention(nn.Module):
         super().__init__()
         hid, h = cfg.hidden_size, cfg.num_attention_heads
         self.h, self.kv_idx = h, kv_idx
-        self.nope, self.rope, self.vd, self.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.vd, self.r = cfg.v_head_dim, cfg.kv_lora_rank
         qd = h * (self.nope + self.rope)
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(hid, qd, bias=False)
@@ -143,11 +143,12 @@ class KimiLinearForCausalLM(CausalLM):
         return tuple("attn" if t == "full_attention" else "kda" for t in hf.layer_types)
 
     @classmethod
-    def model_config(cls, hf) -> ModelConfig:
-        h, d, w, dtype = hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim, hf_dtype(hf)
+    def model_config(cls, hf, dtype: torch.dtype) -> ModelConfig:
+        h, d, w = hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim
         return ModelConfig.uniform(
             hf, cls.layer_kinds(hf),
             kv={"kv": (1, hf.kv_lora_rank + hf.qk_rope_head_dim)},
             state={"recurrent": ((h, d, d), torch.float32), "conv": ((3 * h * d, w - 1), dtype)},
-            kernel_chunks={"kda": KDA_CHUNK},
+            kernel_chunks={"kda": CHUNK},
+            dtype=dtype,
         )

@@ -44,8 +44,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     """
     path = Path(path)
     hf = load_hf_config(path)
-    cfg = ModelConfig.from_hf(hf)
-    dtype = dtype or cfg.dtype
+    cfg = ModelConfig.from_hf(hf, dtype)
+    dtype = cfg.dtype
     with torch.device("meta"):
         model = model_class(hf.model_type)(hf)
     for name, t in [*model.named_parameters(), *model.named_buffers()]:  # dtypes set on meta: free

@@ -9,7 +9,7 @@ from torch import nn
 import kernels
 from kernels.attention import write_kv
 from models.batch import ForwardBatch
-from models.config import ModelConfig, hf_dtype
+from models.config import ModelConfig
 from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import RMSNorm
@@ -182,7 +182,7 @@ class NemotronHForCausalLM(CausalLM):
         return tuple(KINDS[t] for t in hf.layers_block_type)
 
     @classmethod
-    def model_config(cls, hf) -> ModelConfig:
+    def model_config(cls, hf, dtype: torch.dtype) -> ModelConfig:
         d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         h, p, s = hf.mamba_num_heads, hf.mamba_head_dim, hf.ssm_state_size
         conv_dim = h * p + 2 * hf.n_groups * s
@@ -190,6 +190,7 @@ class NemotronHForCausalLM(CausalLM):
         return ModelConfig.uniform(
             hf, cls.layer_kinds(hf),
             kv={"k": (hf.num_key_value_heads, d), "v": (hf.num_key_value_heads, d)},
-            state={"recurrent": ((h, p, s), ssm_dtype), "conv": ((conv_dim, hf.conv_kernel - 1), hf_dtype(hf))},
+            state={"recurrent": ((h, p, s), ssm_dtype), "conv": ((conv_dim, hf.conv_kernel - 1), dtype)},
             kernel_chunks={"mamba2": hf.chunk_size},
+            dtype=dtype,
         )

@@ -9,14 +9,13 @@ from torch import nn
 
 import kernels
 from kernels.attention import write_kv
+from kernels.gdn import CHUNK
 from models.batch import ForwardBatch
-from models.config import ModelConfig, hf_dtype
+from models.config import ModelConfig
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
 from models.layers.state import delta_rule, short_conv
-
-GDN_CHUNK = 64
 
 
 class GatedDeltaNet(nn.Module):
@@ -183,7 +182,7 @@ class Qwen3NextForCausalLM(CausalLM):
         return tuple(kinds[t] for t in hf.layer_types)
 
     @classmethod
-    def model_config(cls, hf) -> ModelConfig:
+    def model_config(cls, hf, dtype: torch.dtype) -> ModelConfig:
         hkv, hv = hf.num_key_value_heads, hf.linear_num_value_heads
         d = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         dk, dv = hf.linear_key_head_dim, hf.linear_value_head_dim
@@ -192,6 +191,7 @@ class Qwen3NextForCausalLM(CausalLM):
             hf, cls.layer_kinds(hf),
             kv={"k": (hkv, d), "v": (hkv, d)},
             state={"recurrent": ((hv, dk, dv), torch.float32),
-                   "conv": ((conv_dim, hf.linear_conv_kernel_dim - 1), hf_dtype(hf))},
-            kernel_chunks={"gdn": GDN_CHUNK},
+                   "conv": ((conv_dim, hf.linear_conv_kernel_dim - 1), dtype)},
+            kernel_chunks={"gdn": CHUNK},
+            dtype=dtype,
         )

@@ -4,7 +4,7 @@
 writes each layer's K/V there, then `paged_attention` (CPU; CUDA through
 `kernels.dispatch.get("attention", "cuda")`) attends over the pages.
 """
-from kernels.attention.kv import slot_mapping, write_kv
+from kernels.attention.kv import PAD_PAGE, slot_mapping, write_kv
 from kernels.attention.torch import paged_attention
 
-__all__ = ["paged_attention", "slot_mapping", "write_kv"]
+__all__ = ["PAD_PAGE", "paged_attention", "slot_mapping", "write_kv"]

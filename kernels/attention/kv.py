@@ -2,7 +2,7 @@
 
 A cache is `[num_pages, page_size, Hkv, D]`. Position p of sequence n lives in page
 `page_table[n, p // page_size]`, row `p % page_size`; its slot is `page * page_size + row`.
-Entries of `page_table` past a sequence's last page are never read (they may hold -1).
+Entries of `page_table` past a sequence's last page hold PAD_PAGE and are never read.
 
 MLA latent layout: one tensor holds `[kv_lora_rank + rope_dim]` per token (Hkv = 1); with
 `v_cache=None, v_dim=kv_lora_rank` the values are `k_cache[..., :v_dim]`.
@@ -10,6 +10,8 @@ MLA latent layout: one tensor holds `[kv_lora_rank + rope_dim]` per token (Hkv =
 from __future__ import annotations
 
 import torch
+
+PAD_PAGE = -1  # page-table entries past a sequence's pages (not a page id; never read)
 
 
 def query_lens(cu_seqlens: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:

@@ -5,5 +5,6 @@ The CUDA path (kernels.gdn.fla) is loaded by kernels.dispatch only on CUDA.
 from kernels.gdn.chunk import chunk_gdn
 from kernels.gdn.naive import naive_gdn
 from kernels.gdn.recurrent import recurrent_gdn
+from kernels.kda.common import CHUNK  # GDN runs the KDA algorithm
 
-__all__ = ["chunk_gdn", "naive_gdn", "recurrent_gdn"]
+__all__ = ["CHUNK", "chunk_gdn", "naive_gdn", "recurrent_gdn"]

@@ -43,7 +43,7 @@ def recurrent_ssd(
     for i in range(int(lengths.max()) if T else 0):
         seqs = (lengths > i).nonzero().squeeze(1)  # [M]
         t = cu[seqs] + i
-        take = lambda v: v.index_select(0, t).float()  # noqa: E731
+        take = lambda v, t=t: v.index_select(0, t).float()  # noqa: E731
         xt, dtt = take(x).view(-1, G, R, P), take(dt).view(-1, G, R)
         decay = torch.exp(dtt * A.float().view(G, R))  # [M, G, R]
         write = dtt[..., None, None] * xt[..., None] * take(B)[:, :, None, None, :]  # [M, G, R, P, S]

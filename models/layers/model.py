@@ -35,7 +35,7 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Subclasses define `layer_kinds(hf)` and `model_config(hf)` and pass their block class.
+    """Subclasses define `layer_kinds(hf)` and `model_config(hf, dtype)` and pass their block class.
 
     Blocks are built as `block_cls(hf, layer_index, mixer_index)`, mixer_index being the
     ordinal of the layer among the attention layers (its KV buffer) or among the linear
