@@ -36,13 +36,12 @@ def prompts(n: int, prefix: int, suffix: int, vocab: int = 256, seed: int = 0) -
 
 
 def run_engine(batch: list[list[int]], new: int):
-    from hybridserve.engine import LLM
-    from hybridserve.sampling import SamplingParams
+    from hybridserve import LLM, SamplingParams
 
     llm = LLM("builtin", dtype="float32", memory_gb=2.0, max_running=64, policy="serial",
               cost_profile="builtin_cpu")
     llm.generate(batch[:1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
-    llm.engine.scheduler.mem.cache.flush()
+    llm.engine.scheduler.flush_cache()
     t0 = time.perf_counter()
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     return time.perf_counter() - t0, [o.token_ids for o in outs], llm

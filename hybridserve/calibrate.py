@@ -1,6 +1,7 @@
 """Fit the step-time model of a model on this machine by timing real forwards."""
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
@@ -9,6 +10,8 @@ import torch
 from models.batch import ForwardBatch, Memory, Segment
 from models.config import ModelConfig
 from scheduler import BatchShape, CostModel
+
+log = logging.getLogger(__name__)
 
 # (prefix, extend) prefills and decode contexts; `quick` keeps the cheap half
 PREFILLS = [[(0, 64)], [(0, 256)], [(0, 1024)], [(1024, 256)], [(0, 64)] * 8, [(2048, 1024)], [(0, 4096)]]
@@ -19,27 +22,46 @@ def calibrate(model, mc: ModelConfig, memory: Memory, cache, quick: bool = False
     """Time forwards of representative shapes on the engine's pools and fit the cost model.
 
     Uses free pages and slots of `cache`'s pools (returned afterwards); contents are garbage,
-    which is fine for timing.
+    which is fine for timing. A shape larger than the free pool is shrunk until it fits.
     """
     shapes = [BatchShape(p) for p in PREFILLS] + [BatchShape((), d) for d in DECODES]
     if quick:
         shapes = [s for s in shapes if s.tokens + sum(s.decode) // 64 <= 1024]
-    samples = []
-    for shape in shapes:
-        t = _time_forward(model, memory, cache, shape, repeats)
-        if t is not None:
-            samples.append((shape, t))
+    pages, slots = cache.kv_pool.num_free, cache.state_pool.num_free_active
+    fitted = [s for s in dict.fromkeys(fit_to_pool(s, pages, slots, memory.page_size) for s in shapes) if s.tokens]
+    t0 = time.perf_counter()
+    samples = [(shape, _time_forward(model, memory, cache, shape, repeats)) for shape in fitted]
+    log.info("calibration: timed %d shapes in %.1f s", len(samples), time.perf_counter() - t0)
     chunk = min(mc.kernel_chunks.values())
     return CostModel.fit(samples, chunk=chunk, attn_layers=len(mc.attn_layers),
                          meta={"model": mc.model_type, "fitted_on": f"{len(samples)} timed forwards"})
 
 
-def _time_forward(model, memory: Memory, cache, shape: BatchShape, repeats: int) -> float | None:
+def fit_to_pool(shape: BatchShape, pages: int, slots: int, page_size: int) -> BatchShape:
+    """shape cut to at most `slots` rows, its lengths halved (then rows dropped) until its KV
+    fits in `pages` pages."""
+    prefill = list(shape.prefill)[:slots]
+    decode = list(shape.decode)[: slots - len(prefill)]
+    while (prefill or decode) and _pages(prefill, decode, page_size) > pages:
+        if any(p + e > 1 for p, e in prefill) or any(c > 1 for c in decode):
+            prefill = [(p // 2, max(1, e // 2)) for p, e in prefill]
+            decode = [max(1, c // 2) for c in decode]
+        elif decode:
+            decode.pop()
+        else:
+            prefill.pop()
+    return BatchShape(tuple(prefill), tuple(decode))
+
+
+def _pages(prefill, decode, page_size: int) -> int:
+    rows = list(prefill) + [(c, 1) for c in decode]
+    return sum(-(-(p + e) // page_size) for p, e in rows)
+
+
+def _time_forward(model, memory: Memory, cache, shape: BatchShape, repeats: int) -> float:
     ps, kv, st = memory.page_size, cache.kv_pool, cache.state_pool
     rows = [(p, e) for p, e in shape.prefill] + [(c, 1) for c in shape.decode]
     need = sum(-(-(p + e) // ps) for p, e in rows)
-    if need > kv.num_free or len(rows) > st.num_free_active:
-        return None  # the pools are too small for this shape
     pages, slots, segs = kv.alloc(need), [st.alloc_active() for _ in rows], []
     at = 0
     for (p, e), slot in zip(rows, slots):

@@ -1,71 +1,55 @@
-"""The `hybridserve` command: serve | generate | calibrate.
+"""The `hybridserve` command (also `python -m hybridserve`): serve | generate | calibrate.
 
-Every EngineConfig field is a flag of each subcommand, spelled with dashes
-(memory_gb -> --memory-gb; booleans also take --no-...).
+Every engine setting (EngineConfig and its sections) is a flag of each subcommand, generated
+from the fields and their help text, spelled with dashes (memory_gb -> --memory-gb;
+booleans also take --no-...). The model is the positional argument (or --model).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import types
 import typing
-from dataclasses import MISSING, fields
 
-from hybridserve.config import DTYPES, EngineConfig
+from hybridserve.config import SECTIONS, EngineConfig
+from hybridserve.logs import LEVELS, setup_logging
 from hybridserve.sampling import SamplingParams
-from scheduler.policy import POLICIES
-from state_cache import policy_names
 
-ENGINE_HELP = {
-    "model": "checkpoint folder in the Hugging Face layout (config.json + safetensors + tokenizer), or "
-             "'builtin' for the small random-weight Kimi-Linear model with a byte tokenizer",
-    "device": "torch device to run on, e.g. cpu or cuda:0",
-    "dtype": "weight and KV dtype; auto keeps the checkpoint's",
-    "page_size": "tokens per attention-KV page",
-    "memory_gb": "GiB for the KV pages, the active state slots and the checkpoint slots together",
-    "checkpoint_share": "share of the memory left after the active slots that goes to recurrent-state "
-                        "checkpoints (the prefix cache of the linear layers); the rest is KV pages",
-    "max_running": "most requests admitted at once (one active state slot each)",
-    "max_model_len": "longest prompt + output in tokens; unset: the model's context",
-    "policy": "scheduling policy: tokens (fixed token budget, prefill first), budget (token budget shared "
-              "with decode), serial (fill each round up to --target-step predicted seconds), serial+deadline "
-              "(serial, earliest TTFT deadline first; late requests get bigger chunks up to --max-step)",
-    "token_budget": "tokens per round under the tokens and budget policies",
-    "target_step": "seconds of predicted step time per round under the serial policies",
-    "max_step": "cap on a round's predicted seconds when serial+deadline grows a late request's chunk",
-    "mixed_chunk": "tokens policy: let decode rows ride along with prefill chunks",
-    "cost_profile": "step-time model for the serial policies: a shipped profile name or a JSON file from "
-                    "`hybridserve calibrate`; unset: fit one at start-up from a few timed forwards",
-    "enable_prefix_cache": "resume requests from cached prefixes (KV + state checkpoints)",
-    "eviction": "prefix-cache eviction policy: lru, or utility (FLOPs saved per byte, blended with recency)",
-    "checkpoint_interval": "also checkpoint every N tokens (a multiple of the checkpoint grid); unset: only "
-                           "at chunk ends, branch points and before the last prompt token",
-    "decode_reserve": "share of each request's max_tokens whose KV pages admission reserves (1: admit only "
-                      "what surely fits; lower admits more and retracts when the pool runs short)",
-    "seed": "seed for torch (sampling of requests without their own seed)",
-    "debug_integrity": "check every pool's integrity whenever the engine is idle (slow; for debugging)",
-}
-CHOICES = {"dtype": DTYPES, "policy": POLICIES, "eviction": tuple(policy_names())}
+API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (EngineConfig)")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in fields(EngineConfig):
-        kind = hints[f.name]
+    """One flag per setting; defaults come from the dataclasses (model: see add_model_arg)."""
+    group = parser.add_argument_group("engine settings")
+    owners = {None: EngineConfig, **SECTIONS}
+    hints = {sec: typing.get_type_hints(cls) for sec, cls in owners.items()}
+    for name, (sec, f) in EngineConfig.settings().items():
+        if name == "model":
+            continue
+        kind = hints[sec][name]
         if isinstance(kind, types.UnionType):  # X | None
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not MISSING else None
+        flag = "--" + name.replace("_", "-")
+        choices = f.metadata.get("choices")
+        choices = choices() if callable(choices) else choices
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=ENGINE_HELP[f.name])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
         else:
-            group.add_argument(flag, type=kind, default=default, choices=CHOICES.get(f.name), help=ENGINE_HELP[f.name])
+            group.add_argument(flag, type=kind, default=f.default, choices=choices, help=f.metadata["help"])
+
+
+def add_model_arg(parser: argparse.ArgumentParser) -> None:
+    help_ = EngineConfig.settings()["model"][1].metadata["help"]
+    parser.add_argument("model_pos", nargs="?", metavar="MODEL", help=f"{help_} (default: builtin)")
+    parser.add_argument("--model", help="the same as MODEL")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.names()})
+    settings = {name: getattr(args, name) for name in EngineConfig.settings() if name != "model"}
+    return EngineConfig.from_settings(model=args.model, **settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,20 +57,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridserve", formatter_class=fmt,
                                      description="Serve linear-attention hybrid LLMs (Kimi-Linear, Qwen3-Next, "
                                                  "NemotronH) with an OpenAI-compatible API.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default="info", choices=LEVELS,
+                        help="log level of every hybridserve logger (engine, scheduler, cache, server)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,calibrate}")
 
-    serve = sub.add_parser("serve", formatter_class=fmt, help="run the OpenAI-compatible HTTP server",
+    serve = sub.add_parser("serve", formatter_class=fmt, parents=[common], help="run the OpenAI-compatible HTTP server",
                            description="Run the OpenAI-compatible HTTP server (/v1/completions, "
                                        "/v1/chat/completions, /v1/models, /health, /metrics).")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    add_model_arg(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (0.0.0.0: all interfaces; then also set --api-key)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                       help="uvicorn's log level")
+    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                       help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV}; "
+                            "unset: no key)")
     add_engine_flags(serve)
 
-    gen = sub.add_parser("generate", formatter_class=fmt, help="generate a completion of one prompt and print it",
+    gen = sub.add_parser("generate", formatter_class=fmt, parents=[common],
+                         help="generate a completion of one prompt and print it",
                          description="Generate a completion of one prompt offline and print its text (a summary "
                                      "line goes to stderr).")
+    add_model_arg(gen)
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     d = SamplingParams()
@@ -100,18 +93,31 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     add_engine_flags(gen)
 
-    cal = sub.add_parser("calibrate", formatter_class=fmt, help="fit the step-time cost model on this machine",
+    cal = sub.add_parser("calibrate", formatter_class=fmt, parents=[common],
+                         help="fit the step-time cost model on this machine",
                          description="Time real forwards of the chosen model on representative prefill and "
                                      "decode shapes, fit the cost model, write it as JSON (usable as "
                                      "--cost-profile) and print its coefficients.")
+    add_model_arg(cal)
     cal.add_argument("--output", required=True, help="where to write the profile JSON")
     cal.add_argument("--quick", action="store_true", help="only the cheaper half of the shapes")
     add_engine_flags(cal)
     return parser
 
 
+def _version() -> str:
+    from hybridserve import __version__
+
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_pos and args.model and args.model_pos != args.model:
+        parser.error(f"the model is given twice: {args.model_pos!r} and --model {args.model!r}")
+    args.model = args.model_pos or args.model or EngineConfig.model
+    setup_logging(args.log_level)
     try:
         config = engine_config(args)
         return COMMANDS[args.command](args, config)
@@ -123,17 +129,17 @@ def main(argv: list[str] | None = None) -> int:
 def run_serve(args, config: EngineConfig) -> int:
     from hybridserve.server import serve
 
-    serve(config, args.host, args.port, args.log_level)
+    serve(config, args.host, args.port, args.log_level, api_key=args.api_key)
     return 0
 
 
 def run_generate(args, config: EngineConfig) -> int:
-    from hybridserve.engine import LLM
+    from hybridserve.llm import LLM
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=tuple(args.stop),
                             stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos)
-    llm = LLM(**vars(config))
+    llm = LLM(**config.flat())
     prompt = args.prompt
     if args.chat:
         tok = llm.engine.tokenizer
@@ -151,16 +157,16 @@ def run_generate(args, config: EngineConfig) -> int:
 
 
 def run_calibrate(args, config: EngineConfig) -> int:
-    from dataclasses import asdict, replace
+    from dataclasses import asdict
 
     from hybridserve.calibrate import calibrate
     from hybridserve.engine import Engine
     from scheduler.cost import COEFFS, PROFILES
 
     shipped = next(PROFILES.glob("*.json")).stem  # any: it only spares the engine its start-up fit
-    engine = Engine(replace(config, cost_profile=shipped))
+    engine = Engine(config.replace(cost_profile=shipped))
     t0 = time.perf_counter()
-    cost = calibrate(engine.model, engine.model_config, engine.memory, engine.scheduler.mem.cache, quick=args.quick)
+    cost = calibrate(engine.model, engine.model_config, engine.memory, engine.cache, quick=args.quick)
     cost.to_json(args.output)
     values = asdict(cost)
     print(f"wrote {args.output} ({time.perf_counter() - t0:.1f} s of timing)")

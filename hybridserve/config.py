@@ -1,65 +1,99 @@
-"""EngineConfig: everything an engine is built from, validated once."""
+"""EngineConfig: everything an engine is built from, validated once.
+
+Settings live in three frozen dataclasses, each the one home of its fields' defaults,
+checks and help text: `EngineConfig` (model, device, memory), `SchedulerConfig`
+(scheduler/config.py) and `CacheConfig` (state_cache/config.py). Setting names are unique
+across the three, so callers use one flat namespace: `EngineConfig.from_settings(
+policy="tokens", memory_gb=2)`, `config.replace(...)`, `LLM(model, **settings)` and the CLI
+flags (generated from the fields: memory_gb -> --memory-gb).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
 
-from scheduler.policy import POLICIES
-from state_cache import policy_names
+from scheduler import SchedulerConfig
+from state_cache import CacheConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings (CLI flags and `LLM(**kwargs)` map onto these fields one to one).
-
-    model: a local checkpoint folder, or "builtin" for the built-in model.
-    memory_gb: bytes for the KV pages, active slots and checkpoint slots together;
-    checkpoint_share of what the active slots leave goes to checkpoints.
-    policy: scheduling policy (tokens | budget | serial | serial+deadline) and its knobs;
-    cost_profile: a shipped profile name or a JSON path for the serial policies (None: the
-    shipped `builtin_cpu` for the built-in model on CPU, else a profile fitted at start-up
-    from a few timed forwards of this model on this machine).
-    """
-
-    model: str = "builtin"
-    device: str = "cpu"
-    dtype: str = "auto"
-    page_size: int = 64
-    memory_gb: float = 1.0
-    checkpoint_share: float = 0.2
-    max_running: int = 32
-    max_model_len: int | None = None
-    policy: str = "serial"
-    token_budget: int = 2048
-    target_step: float = 0.2
-    max_step: float = 1.0
-    mixed_chunk: bool = False
-    cost_profile: str | None = None
-    enable_prefix_cache: bool = True
-    eviction: str = "lru"
-    checkpoint_interval: int | None = None
-    decode_reserve: float = 1.0
-    seed: int = 0
-    debug_integrity: bool = False
+    model: str = field(default="builtin", metadata={
+        "help": "checkpoint folder in the Hugging Face layout (config.json + safetensors + tokenizer), or "
+                "'builtin' for the small Kimi-Linear model shipped with the package (byte tokenizer)"})
+    device: str = field(default="cpu", metadata={"help": "torch device to run on, e.g. cpu or cuda:0"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weight, activation and KV dtype; auto keeps the checkpoint's (recurrent states stay fp32)",
+        "choices": DTYPES})
+    page_size: int = field(default=64, metadata={"help": "tokens per attention-KV page"})
+    memory_gb: float = field(default=1.0, metadata={
+        "help": "GiB for the KV pages, the active state slots and the checkpoint slots together"})
+    checkpoint_share: float = field(default=0.2, metadata={
+        "help": "share of the memory left after the active slots that goes to recurrent-state checkpoints "
+                "(the prefix cache of the linear layers); the rest is KV pages"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest prompt + output in tokens; unset: the model's context"})
+    cost_profile: str | None = field(default=None, metadata={
+        "help": "step-time model of the serial policies: a shipped profile name or a JSON file from `hybridserve "
+                "calibrate`; unset: the shipped builtin_cpu profile for the built-in model on CPU, else one "
+                "fitted at start-up from a few timed forwards (only when the policy reads it)"})
+    seed: int = field(default=0, metadata={"help": "seed for torch (sampling of requests without their own seed)"})
+    debug_integrity: bool = field(default=False, metadata={
+        "help": "check every pool's integrity whenever the engine is idle (slow; for debugging)"})
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPES)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: {self.policy!r} is not one of {list(POLICIES)}")
-        if self.eviction not in policy_names():
-            raise ValueError(f"eviction: {self.eviction!r} is not one of {policy_names()}")
-        for name in ("page_size", "max_running", "token_budget"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.memory_gb <= 0:
             raise ValueError(f"memory_gb must be > 0, got {self.memory_gb}")
         if not 0 <= self.checkpoint_share < 1:
             raise ValueError(f"checkpoint_share must be in [0, 1), got {self.checkpoint_share}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name, kind in SECTIONS.items():
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name}: must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
 
     @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def settings(cls) -> dict[str, tuple[str | None, dataclasses.Field]]:
+        """Every setting by flat name: (its section, or None for EngineConfig's own, the field)."""
+        out: dict[str, tuple[str | None, dataclasses.Field]] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in SECTIONS:
+                out.update((g.name, (f.name, g)) for g in dataclasses.fields(SECTIONS[f.name]))
+            else:
+                out[f.name] = (None, f)
+        return out
+
+    @classmethod
+    def from_settings(cls, **settings: Any) -> EngineConfig:
+        """A config from flat setting names (the defaults for the rest)."""
+        return cls().replace(**settings)
+
+    def replace(self, **settings: Any) -> EngineConfig:
+        """A copy with flat-named settings changed; TypeError names an unknown setting."""
+        known = self.settings()
+        for name in settings:
+            if name not in known and name not in SECTIONS:
+                close = difflib.get_close_matches(name, list(known), n=3)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise TypeError(f"unknown engine setting {name!r}{hint}")
+        own = {k: v for k, v in settings.items() if k in SECTIONS or known[k][0] is None}
+        for section in SECTIONS:
+            changes = {k: v for k, v in settings.items() if k in known and known[k][0] == section}
+            if changes:
+                own[section] = dataclasses.replace(own.get(section, getattr(self, section)), **changes)
+        return dataclasses.replace(self, **own)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by flat name, with its value (the inverse of from_settings)."""
+        return {name: getattr(getattr(self, sec) if sec else self, name) for name, (sec, _) in self.settings().items()}

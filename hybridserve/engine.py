@@ -1,23 +1,26 @@
-"""Engine: the step loop (schedule -> run -> process) and the offline `LLM` API."""
+"""Engine: the step loop (schedule -> run -> process) over one model, its pools and cache."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 
 from hybridserve.config import EngineConfig
 from hybridserve.outputs import Detokenizer, RequestOutput
 from hybridserve.runner import ModelRunner
-from hybridserve.sampling import SamplingParams, Sampler
+from hybridserve.sampling import Sampler, SamplingParams
 from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
 from models.loader import load_model
-from scheduler import CostModel, PolicyConfig, Req, Scheduler, StepOutput
+from scheduler import CostModel, Executor, Req, Scheduler, policy_class
 from state_cache import PrefillFlops, StateRadixCache, make_pools, plan_memory
+
+log = logging.getLogger(__name__)
+Prompt = Union[str, Sequence[int], dict]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": ...}
 
 
 class NoTokenizer:
@@ -46,8 +49,11 @@ def load_tokenizer(model: str, path: Path):
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
-        config = replace(config or EngineConfig(), **overrides)
+    """The serving loop over one model: `Engine(config, **settings)` (flat setting names, see
+    EngineConfig), then add_request / step / abort."""
+
+    def __init__(self, config: EngineConfig | None = None, **settings):
+        config = (config or EngineConfig()).replace(**settings)
         self.config = config
         torch.manual_seed(config.seed)
         self.path = builtin_path() if config.model == "builtin" else Path(config.model)
@@ -57,46 +63,48 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model, self.path)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        kv_dtype = next(self.model.parameters()).dtype
         self.plan = plan_memory(mc.kv_shapes, mc.state_shapes, budget_bytes=int(config.memory_gb * 2**30),
-                                page_size=config.page_size, max_running=config.max_running,
-                                checkpoint_share=config.checkpoint_share, kv_dtype=kv_dtype)
-        kv_pool, state_pool = make_pools(self.plan, mc.kv_shapes, mc.state_shapes, kv_dtype, config.device)
+                                page_size=config.page_size, max_running=config.scheduler.max_running,
+                                checkpoint_share=config.checkpoint_share, kv_dtype=mc.dtype)
+        kv_pool, state_pool = make_pools(self.plan, mc.kv_shapes, mc.state_shapes, mc.dtype, config.device)
         self.memory = Memory(kv_pool.buffers, state_pool.buffers, config.page_size)
-        cache = StateRadixCache(kv_pool, state_pool, mc.kernel_chunks, policy=config.eviction,
-                                flops=PrefillFlops(2.0 * sum(p.numel() for p in self.model.parameters())))
+        self.cache = StateRadixCache(kv_pool, state_pool, mc.kernel_chunks, config.cache,
+                                     flops=PrefillFlops(2.0 * sum(p.numel() for p in self.model.parameters())))
         self.sampler = Sampler(config.device)
-        self.runner = ModelRunner(self.model, self.memory, config.device, self.sampler)
-        cost = self._cost_model(cache)
-        policy = PolicyConfig(name=config.policy, token_budget=config.token_budget, target_step=config.target_step,
-                              max_step=config.max_step, mixed_chunk=config.mixed_chunk)
-        self.scheduler = Scheduler(cache, policy, cost, time.monotonic, max_running=config.max_running,
-                                   decode_reserve=config.decode_reserve,
-                                   checkpoint_interval=config.checkpoint_interval)
-        self.scheduler.mem.hits = config.enable_prefix_cache
+        self.executor: Executor = ModelRunner(self.model, self.memory, config.device, self.sampler)
+        self.scheduler = Scheduler(self.cache, config.scheduler, self._cost_model(), time.monotonic)
         self.requests: dict[str, tuple[Req, Detokenizer]] = {}
         self._ids = itertools.count()
         self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
                                             else set())
+        log.info("model %s (%s, %s), policy %s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
+                 config.scheduler.policy, self.plan.report())
 
-    def _cost_model(self, cache) -> CostModel:
-        """The configured profile; for the built-in model on CPU the shipped one; else fitted now."""
+    def _cost_model(self) -> CostModel:
+        """The configured profile; for the built-in model on CPU the shipped one; else, if the
+        policy reads it, one fitted now (otherwise an all-zero model: predictions unused)."""
         if self.config.cost_profile:
             return CostModel.load(self.config.cost_profile)
         if self.config.model == "builtin" and self.config.device == "cpu":
             return CostModel.load("builtin_cpu")
+        if not policy_class(self.config.scheduler.policy).uses_cost_model:
+            return CostModel()
         from hybridserve.calibrate import calibrate
 
-        return calibrate(self.model, self.model_config, self.memory, cache, quick=True)
-
+        return calibrate(self.model, self.model_config, self.memory, self.cache, quick=True)
     # -- requests ------------------------------------------------------------------------
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt (text or ids), validated; ValueError names what is wrong."""
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, validated; ValueError names what is wrong. A prompt is text,
+        token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
+        if isinstance(prompt, dict):
+            prompt = _unwrap(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
@@ -106,14 +114,18 @@ class Engine:
             raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return ids
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> str:
-        """Queue a request; returns its id. ValueError for input the engine cannot serve."""
-        params = params or SamplingParams()
+    def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids if the engine can serve it with params; else ValueError."""
         ids = self.encode(prompt)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                              f"context of {self.max_model_len} tokens")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
+        """Queue a request; returns its id. ValueError for input the engine cannot serve."""
+        params = params or SamplingParams()
+        ids = self.validate(prompt, params)
         rid = rid or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"rid: {rid!r} is already in use")
@@ -143,7 +155,7 @@ class Engine:
             if self.config.debug_integrity and not self.scheduler.running:
                 self.scheduler.check_integrity()
             return []
-        out = self.runner.run(batch)
+        out = self.executor.run(batch)
         changed = self.scheduler.process(batch, out)
         extras = dict(zip(map(id, batch.sampling_reqs), out.extras or []))
         return [self._output(r, extras.get(id(r))) for r in changed]
@@ -160,42 +172,27 @@ class Engine:
                              req.finished, req.finish_reason, req.cached_tokens, [logprob] if logprob else [])
 
     def fail_inflight(self) -> list[str]:
-        """After a step raised: abort the requests of the rounds in flight (their pages, slots
-        and checkpoint slots are freed) and drop those rounds. Returns the failed ids; if no
-        round was in flight the failure cannot be attributed and every request fails."""
-        sched = self.scheduler
-        batches = list(sched.inflight)
-        rids = [r.rid for b in batches for r in [c.req for c in b.chunks] + b.decodes] or list(self.requests)
+        """After a step raised: abort the requests of the rounds in flight (the scheduler frees
+        their pages, slots and checkpoint slots) and drop those rounds. Returns the failed ids;
+        if no round was in flight the failure cannot be attributed and every request fails."""
+        rids = [r.rid for r in self.scheduler.fail_inflight()] or list(self.requests)
         for rid in rids:
             self.abort(rid)
-        for b in batches:  # processing an aborted request's round only releases what it held
-            sched.process(b, StepOutput([0] * len(b.sampling_reqs)))
-        return list(dict.fromkeys(rids))
+        return rids
 
     def stats(self) -> dict:
         """Counters and pool usage for metrics."""
         s = self.scheduler
         return {"waiting": len(s.waiting), "running": len(s.running), **s.counters,
-                "cache": s.mem.cache.stats()._asdict()}
+                "cache": s.cache_stats()._asdict()}
 
 
-class LLM:
-    """Offline generation: `LLM(model=..., **engine_args).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str = "builtin", **engine_args):
-        self.engine = Engine(EngineConfig(model=model, **engine_args))
-
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        per = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per)]
-        done: dict[str, RequestOutput] = {}
-        while len(done) < len(rids):
-            for o in self.engine.step():
-                if o.finished:
-                    done[o.rid] = o
-        return [done[r] for r in rids]
+def _unwrap(prompt: dict) -> str | Sequence[int]:
+    """The text or ids of a vLLM-style prompt dict."""
+    keys = set(prompt)
+    if keys == {"prompt"}:
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    raise ValueError(f"prompt: a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids', got keys "
+                     f"{sorted(keys)}")

@@ -2,8 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hybridserve.sampling import find_stop
+
+
+class CompletionOutput(NamedTuple):
+    """One completion of a request, as vLLM's `RequestOutput.outputs[i]` reads."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list
 
 
 @dataclass
@@ -20,6 +31,11 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cached_tokens: int = 0
     logprobs: list[tuple[float | None, list | None]] = field(default_factory=list)  # per new token
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's view: `out.outputs[0].text` (one completion per request here)."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
     @property
     def usage(self) -> dict:

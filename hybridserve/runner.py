@@ -7,10 +7,10 @@ import torch
 
 from hybridserve.sampling import Sampler
 from models.batch import ForwardBatch, Memory, Segment
-from scheduler import Batch, StepOutput
+from scheduler import Batch, Executor, StepOutput
 
 
-class ModelRunner:
+class ModelRunner(Executor):
     """Runs the model on the pools' tensors; checkpoint states are written by the forward
     straight into the checkpoint slots the scheduler allocated for each chunk."""
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
-import sys
+import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -29,6 +30,7 @@ from hybridserve.metrics import Metrics, RequestTimer
 from hybridserve.outputs import RequestOutput
 from hybridserve.protocol import ChatRequest, CompletionRequest, SamplingRequest, describe_validation_error
 
+log = logging.getLogger(__name__)
 DEFAULT_CHAT_MAX_TOKENS = 256  # chat requests that set no max_completion_tokens / max_tokens
 GRACEFUL_SHUTDOWN_S = 10  # after SIGTERM, open streams get this long before they are cancelled
 
@@ -43,8 +45,29 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-def build_app(engine: AsyncEngine, chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> FastAPI:
-    """The app serving `engine`; its lifespan starts the engine thread and stops it."""
+class BearerAuth:
+    """ASGI middleware: every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
+    /health and /metrics stay open."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: AsyncEngine, chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+              api_key: str | None = None) -> FastAPI:
+    """The app serving `engine`; its lifespan starts the engine thread and stops it. With
+    `api_key`, every /v1 route requires it as a bearer token."""
     metrics = Metrics(lambda: engine.stats)
     names = {engine.model_name, engine.engine.config.model}
 
@@ -57,6 +80,8 @@ def build_app(engine: AsyncEngine, chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKEN
 
     app = FastAPI(title="hybridserve", lifespan=lifespan)
     app.state.engine, app.state.metrics = engine, metrics
+    if api_key:
+        app.add_middleware(BearerAuth, key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
@@ -237,14 +262,14 @@ def param_of(message: str, model) -> str | None:
     return None
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          api_key: str | None = None) -> None:
     """Build the engine from `config` and serve it until SIGINT / SIGTERM."""
     import uvicorn
 
     from hybridserve.engine import Engine
 
-    engine = Engine(config)
-    print(f"hybridserve: model {engine.model_name} ({'/'.join(engine.model_config.layer_kinds)}), "
-          f"policy {config.policy}\n{engine.plan.report()}", file=sys.stderr, flush=True)
-    app = build_app(AsyncEngine(engine))
+    app = build_app(AsyncEngine(Engine(config)), api_key=api_key)
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who can reach this address can use the server", host)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from scheduler import Batch, CostModel, Req, Scheduler, StepOutput
+from scheduler import Batch, CostModel, Executor, Req, Scheduler, StepOutput
 
 
 class SimClock:
@@ -21,7 +21,7 @@ class SimClock:
         return self.now
 
 
-class SimExecutor:
+class SimExecutor(Executor):
     """Runs a batch by advancing the clock by its predicted step time; samples `token`."""
 
     def __init__(self, cost: CostModel, clock: SimClock, token: int | Callable[[Req], int] = 0):
@@ -45,10 +45,13 @@ class SimRun:
 def simulate(scheduler: Scheduler, executor: SimExecutor, arrivals: Iterable[Req],
              until: float = float("inf"), on_round: Callable[[Scheduler], None] | None = None,
              stop: Callable[[], bool] | None = None) -> SimRun:
-    """Feed requests at their `arrival` times and step until all finish, the clock reaches
-    `until`, or `stop()` says so."""
+    """Feed requests at their `arrival` times (None: at the start) and step until all finish,
+    the clock reaches `until`, or `stop()` says so."""
     clock = executor.clock
-    pending = sorted(arrivals, key=lambda r: r.arrival)
+    pending = sorted(arrivals, key=lambda r: clock.now if r.arrival is None else r.arrival)
+    for r in pending:
+        if r.arrival is None:
+            r.arrival = clock.now
     run, i = SimRun(list(pending)), 0
     while clock.now < until and not (stop and stop()):
         while i < len(pending) and pending[i].arrival <= clock.now:

@@ -10,16 +10,15 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import fields
 
 import httpx
 import pytest
 
+from hybridserve import LLM, SamplingParams
 from hybridserve import calibrate as calibrate_module
-from hybridserve.cli import ENGINE_HELP, build_parser, engine_config, main
+from hybridserve.cli import build_parser, engine_config, main
 from hybridserve.config import EngineConfig
-from hybridserve.engine import LLM
-from hybridserve.sampling import SamplingParams
+from hybridserve.logs import PACKAGES, setup_logging
 from scheduler.cost import COEFFS, CostModel
 
 PROFILE = {"c0": 0.01, "c_tok": 1e-4, "c_serial": 1e-3, "c_dec": 1e-3}
@@ -38,48 +37,113 @@ def subcommands() -> dict:
     return next(a for a in parser._actions if a.dest == "command").choices
 
 
+def parse(*argv: str):
+    """argv through the parser and main()'s model resolution, as engine settings."""
+    args = build_parser().parse_args(list(argv))
+    args.model = args.model_pos or args.model or EngineConfig.model
+    return args
+
+
 def test_help_explains_every_flag(capsys):
-    """Each subcommand's --help lists every EngineConfig field as a flag, and no flag lacks a help text."""
-    assert set(ENGINE_HELP) == {f.name for f in fields(EngineConfig)}
+    """Each subcommand's --help lists every engine setting (EngineConfig and its sections) as a
+    flag with the field's own help text, and no argument lacks a help text."""
+    settings = EngineConfig.settings()
+    assert {"policy", "target_step", "eviction", "checkpoint_interval", "memory_gb"} <= set(settings)
     for name, sub in subcommands().items():
         with pytest.raises(SystemExit) as exit_:
             main([name, "--help"])
         assert exit_.value.code == 0
-        text = capsys.readouterr().out
-        for f in fields(EngineConfig):
-            assert "--" + f.name.replace("_", "-") in text, (name, f.name)
+        text = " ".join(capsys.readouterr().out.split())
+        for setting, (_, f) in settings.items():
+            assert "--" + setting.replace("_", "-") in text, (name, setting)
+            assert " ".join(f.metadata["help"].split())[:40] in text, (name, setting)
+        assert "MODEL" in text
         for action in sub._actions:
             assert action.help and action.help.strip(), (name, action.dest)
 
 
-def test_console_script_help():
-    """The installed `hybridserve` console script runs and its --help names the three subcommands."""
+def test_console_script_and_module_run():
+    """The installed `hybridserve` console script and `python -m hybridserve` both run; --help
+    names the three subcommands and --version prints the package version."""
+    from hybridserve import __version__
+
     exe = shutil.which("hybridserve") or os.path.join(os.path.dirname(sys.executable), "hybridserve")
-    out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert all(word in out.stdout for word in ("serve", "generate", "calibrate"))
+    for cmd in ([exe], [sys.executable, "-m", "hybridserve"]):
+        out = subprocess.run([*cmd, "--help"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert all(word in out.stdout for word in ("serve", "generate", "calibrate"))
+        out = subprocess.run([*cmd, "--version"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and __version__ in out.stdout
 
 
 def test_flags_map_onto_config():
-    """Defaults equal EngineConfig's defaults; each flag sets the field of the same name."""
-    args = build_parser().parse_args(["serve"])
+    """Defaults equal EngineConfig's defaults; each flag sets the setting of the same name,
+    whichever section (engine, scheduler, cache) holds it."""
+    args = parse("serve")
     assert engine_config(args) == EngineConfig() and (args.host, args.port) == ("127.0.0.1", 8000)
-    args = build_parser().parse_args(["serve", "--memory-gb", "0.5", "--no-enable-prefix-cache", "--max-model-len",
-                                      "4096", "--policy", "serial+deadline", "--mixed-chunk", "--page-size", "32"])
-    want = EngineConfig(memory_gb=0.5, enable_prefix_cache=False, max_model_len=4096, policy="serial+deadline",
-                        mixed_chunk=True, page_size=32)
+    args = parse("serve", "--memory-gb", "0.5", "--no-enable-prefix-cache", "--max-model-len", "4096",
+                 "--policy", "tokens", "--mixed-chunk", "--page-size", "32", "--checkpoint-interval", "256")
+    want = EngineConfig.from_settings(memory_gb=0.5, enable_prefix_cache=False, max_model_len=4096,
+                                      policy="tokens", mixed_chunk=True, page_size=32, checkpoint_interval=256)
     assert engine_config(args) == want
+    assert want.scheduler.policy == "tokens" and want.cache.checkpoint_interval == 256 and want.page_size == 32
+
+
+def test_model_is_positional_or_a_flag(tmp_path, capsys):
+    """`serve MODEL` (as `vllm serve MODEL`) and `serve --model MODEL` say the same; two
+    different models are an error; no model means the built-in one."""
+    assert parse("serve", str(tmp_path)).model == str(tmp_path)
+    assert parse("serve", "--model", str(tmp_path)).model == str(tmp_path)
+    assert parse("generate", str(tmp_path), "--prompt", "x").model == str(tmp_path)
+    assert parse("serve").model == "builtin"
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", str(tmp_path), "--model", "builtin"])
+    assert exit_.value.code == 2 and "twice" in capsys.readouterr().err
 
 
 def test_bad_values_exit_2(capsys):
-    """An unknown choice is an argparse error; a value EngineConfig rejects exits 2 naming the field."""
+    """An unknown choice is an argparse error; a value a config rejects exits 2 naming the field."""
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--policy", "fastest"])
     assert exit_.value.code == 2 and "--policy" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--page-size", "0"]) == 2
     assert "page_size" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--target-step", "2"]) == 2  # above max_step
+    assert "target_step" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+@pytest.fixture
+def restore_logging():
+    import logging
+
+    saved = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level, logging.getLogger(n).propagate)
+             for n in PACKAGES}
+    yield
+    for n, (handlers, level, propagate) in saved.items():
+        lg = logging.getLogger(n)
+        lg.handlers[:], lg.level, lg.propagate = handlers, level, propagate
+
+
+def test_log_level_covers_every_package(capsys, profile, restore_logging):
+    """--log-level sets every package logger: at info the engine logs its start-up plan (model
+    layout, policy, memory plan) to stderr, at warning it does not."""
+    import logging
+
+    from hybridserve import Engine
+
+    setup_logging("info")
+    assert all(logging.getLogger(n).level == logging.INFO for n in PACKAGES)
+    Engine(cost_profile=profile, memory_gb=0.25, max_running=4)
+    err = capsys.readouterr().err
+    assert "memory plan" in err and "policy serial+deadline" in err and "kda/kda/kda/attn" in err
+    setup_logging("warning")
+    assert all(logging.getLogger(n).level == logging.WARNING for n in PACKAGES)
+    Engine(cost_profile=profile, memory_gb=0.25, max_running=4)
+    assert "memory plan" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="level"):
+        setup_logging("loud")
 
 
 def test_generate_prints_the_completion(capsys, profile):

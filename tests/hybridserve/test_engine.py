@@ -3,11 +3,13 @@ import json
 import pytest
 import torch
 
-from hybridserve.engine import LLM, Engine
+from hybridserve import LLM, Engine
 from hybridserve.sampling import SamplingParams
 from tests.models import harness
-from tests.models.test_kimi_linear import hf_mod as kimi_mod, tiny as kimi_tiny
-from tests.models.test_qwen3_next import hf_mod as qwen_mod, tiny as qwen_tiny
+from tests.models.test_kimi_linear import hf_mod as kimi_mod
+from tests.models.test_kimi_linear import tiny as kimi_tiny
+from tests.models.test_qwen3_next import hf_mod as qwen_mod
+from tests.models.test_qwen3_next import tiny as qwen_tiny
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -104,6 +106,6 @@ def test_bad_requests_are_refused_and_nothing_leaks(tiny_model, profile):
     assert eng.abort(rid) and not eng.abort(rid)
     assert eng.step() == [] and not eng.has_unfinished()
     eng.scheduler.check_integrity()
-    eng.scheduler.mem.cache.flush()
-    assert eng.scheduler.mem.kv.num_free == eng.plan.num_pages
-    assert eng.scheduler.mem.states.num_free_active == eng.plan.num_active
+    eng.scheduler.flush_cache()
+    assert eng.scheduler.cache.kv_pool.num_free == eng.plan.num_pages
+    assert eng.scheduler.cache.state_pool.num_free_active == eng.plan.num_active

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hybridserve.sampling import SamplingParams, Sampler, filter_logits, find_stop
+from hybridserve.sampling import Sampler, SamplingParams, filter_logits, find_stop
 
 
 def test_greedy_is_argmax():

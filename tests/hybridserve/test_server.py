@@ -29,7 +29,7 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 def srv(tmp_path_factory):
     profile = tmp_path_factory.mktemp("profile") / "cost.json"
     profile.write_text(json.dumps(PROFILE))
-    engine = Engine(EngineConfig(cost_profile=str(profile), memory_gb=0.25, max_running=12))
+    engine = Engine(EngineConfig.from_settings(cost_profile=str(profile), memory_gb=0.25, max_running=12))
     ae = AsyncEngine(engine, threads=1)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -78,8 +78,8 @@ def assert_pools_clean(engine: Engine) -> None:
     s = engine.scheduler
     s.check_integrity()
     assert not s.running and not s.waiting and not s.inflight and not engine.requests
-    s.mem.cache.flush()
-    st = s.mem.cache.stats()
+    s.flush_cache()
+    st = s.cache_stats()
     assert (st.pages_free, st.checkpoints_free, st.active_free) == (st.pages_total, st.checkpoints_total,
                                                                      st.active_total)
 
@@ -359,12 +359,12 @@ def test_failing_step_fails_its_batch_only(srv):
     """A forward that raises fails the requests of its batch (5xx, server_error) and frees them;
     the next requests are served normally."""
     def arm(engine):
-        real = engine.runner.run
+        real = engine.executor.run
 
         def broken(batch):
-            engine.runner.run = real
+            engine.executor.run = real
             raise RuntimeError("injected fault")
-        engine.runner.run = broken
+        engine.executor.run = broken
 
     on_engine(srv, arm)
     r = srv.http.post("/v1/completions", json={"prompt": "fault", "max_tokens": 4, **GREEDY})

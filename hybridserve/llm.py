@@ -1,0 +1,55 @@
+"""LLM: offline generation in the style of vLLM.
+
+    llm = LLM("builtin")                      # or a checkpoint folder; settings as keywords
+    outs = llm.generate(["def f(x):", {"prompt_token_ids": [100, 101]}], SamplingParams(max_tokens=32))
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from hybridserve.config import EngineConfig
+from hybridserve.engine import Engine, Prompt
+from hybridserve.outputs import RequestOutput
+from hybridserve.sampling import SamplingParams
+
+
+class LLM:
+    """`LLM(model, **settings)`: an Engine built from flat setting names (EngineConfig)."""
+
+    def __init__(self, model: str = "builtin", **settings):
+        self.engine = Engine(EngineConfig.from_settings(model=model, **settings))
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order.
+
+        Every prompt is validated before any is queued (a ValueError leaves nothing behind),
+        and if generation fails the requests of this call are aborted.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = params or SamplingParams()
+        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"params: {len(per)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        ids = []
+        for i, (p, sp) in enumerate(zip(prompts, per)):
+            try:
+                ids.append(engine.validate(p, sp))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from None
+        rids = [engine.add_request(x, sp) for x, sp in zip(ids, per)]
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(rids):
+                for o in engine.step():
+                    if o.finished:
+                        done[o.rid] = o
+        finally:
+            for rid in rids:
+                if rid not in done:
+                    engine.abort(rid)
+        return [done[r] for r in rids]
