@@ -1,10 +1,11 @@
 # `make test` on a fresh machine: create .venv, install pinned deps (torch first, CPU build), run pytest.
+# `make lint`: ruff (with bugbear) and mypy, configured in pyproject.toml.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 
-.PHONY: setup test test-all serve bench bench-engine bench-ttft
+.PHONY: setup test test-all lint serve bench bench-engine bench-ttft
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -16,6 +17,10 @@ setup: $(BIN)/.installed
 
 test: setup
 	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test-all: setup
 	$(BIN)/python -m pytest -m "not gpu"
