@@ -23,8 +23,7 @@ API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per setting; defaults come from the dataclasses (model: see add_model_arg)."""
     group = parser.add_argument_group("engine settings")
-    owners = {None: EngineConfig, **SECTIONS}
-    hints = {sec: typing.get_type_hints(cls) for sec, cls in owners.items()}
+    hints = {sec: typing.get_type_hints(cls) for sec, cls in ((None, EngineConfig), *SECTIONS.items())}
     for name, (sec, f) in EngineConfig.settings().items():
         if name == "model":
             continue

@@ -31,7 +31,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = params or SamplingParams()
-        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        per = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(prompts):
             raise ValueError(f"params: {len(per)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine

@@ -123,6 +123,7 @@ class _EngineCollector(Collector):
 
 def _value(stats: dict, key: str) -> float:
     """stats["a"]["b"] for key "a.b"."""
-    for part in key.split("."):
+    *parents, name = key.split(".")
+    for part in parents:
         stats = stats[part]
-    return stats
+    return stats[name]

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from hybridserve.sampling import find_stop
 
 
-class CompletionOutput(NamedTuple):
+@dataclass(frozen=True)
+class CompletionOutput:
     """One completion of a request, as vLLM's `RequestOutput.outputs[i]` reads."""
 
     index: int

@@ -3,7 +3,8 @@
 SamplingParams, the logprobs objects of the responses."""
 from __future__ import annotations
 
-from typing import ClassVar
+from abc import abstractmethod
+from typing import Any, ClassVar, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -55,6 +56,18 @@ class SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @abstractmethod
+    def engine_prompt(self, tokenizer) -> str | list[int]:
+        """The prompt the engine takes: text or token ids (ValueError for unsupported input)."""
+
+    @abstractmethod
+    def choice(self, text: str, finish_reason: str | None, logprobs: dict | None, first: bool | None = None) -> dict:
+        """choices[0] of a response (first=None) or of a stream chunk."""
+
+    @abstractmethod
+    def format_logprobs(self, tokenizer, *outs: RequestOutput) -> dict:
+        """The logprobs object of a response or of a stream chunk, for outs' new tokens."""
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """ValueError naming the field for values the engine does not support."""
         if self.n not in (None, 1):
@@ -65,8 +78,8 @@ class SamplingRequest(_Body):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        given = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                     ignore_eos=self.ignore_eos)
+        given: dict[str, Any] = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                     seed=self.seed, ignore_eos=self.ignore_eos)
         return SamplingParams(max_tokens=self.max_new_tokens(default_max_tokens), stop=stop,
                               stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=self.logprob_count(),
                               **{k: v for k, v in given.items() if v is not None})
@@ -99,11 +112,11 @@ class CompletionRequest(SamplingRequest):
         if self.echo:
             raise ValueError("echo: not supported")
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if isinstance(p, list) and p and isinstance(first := p[0], (str, list)):
             if len(p) > 1:
                 raise ValueError(f"prompt: a list of {len(p)} prompts is not supported; send one prompt per request")
-            p = p[0]
-        return p
+            return first
+        return cast("str | list[int]", p)  # not a list of prompts: a string or token ids
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens if self.max_tokens is not None else COMPLETION_MAX_TOKENS
@@ -135,9 +148,10 @@ class Message(_Body):
     def text(self, index: int) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        if any(p.type != "text" or p.text is None for p in self.content):
+        texts = [p.text for p in self.content if p.type == "text" and p.text is not None]
+        if len(texts) != len(self.content):
             raise ValueError(f"messages[{index}].content: only parts of type 'text' are supported")
-        return "".join(p.text for p in self.content)
+        return "".join(texts)
 
 
 class ChatRequest(SamplingRequest):

@@ -18,9 +18,9 @@ class ModelRunner(Executor):
         self.model, self.memory, self.device, self.sampler = model, memory, device, sampler
 
     def segments(self, batch: Batch) -> list[Segment]:
-        segs = [Segment(c.req.all_ids[c.start:c.end], c.start, c.req.state_slot, c.req.kv_pages, c.checkpoints, c.req)
+        segs = [Segment(c.req.all_ids[c.start:c.end], c.start, c.req.active_slot, c.req.kv_pages, c.checkpoints, c.req)
                 for c in batch.chunks]
-        segs += [Segment([r.all_ids[r.prefix_len]], r.prefix_len, r.state_slot, r.kv_pages, (), r)
+        segs += [Segment([r.all_ids[r.prefix_len]], r.prefix_len, r.active_slot, r.kv_pages, (), r)
                  for r in batch.decodes]  # the last sampled token, at position prefix_len
         return segs
 

@@ -65,7 +65,7 @@ class Sampled(NamedTuple):
 class Sampler:
     """Samples one token per row of a logits batch; per-request generators keep seeds exact."""
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device: str = "cpu"):
         self.device = device
         self.generators: dict[object, torch.Generator] = {}
 

@@ -162,6 +162,8 @@ class Run:
             async for out in self.stream:
                 self.timer.tokens(len(out.new_token_ids))
                 if out.finished:
+                    if out.finish_reason is None:
+                        raise RuntimeError(f"request {out.rid}: finished without a finish_reason")
                     self.timer.finish(out.finish_reason, out.usage)
                 yield out
         except EngineError:

@@ -49,12 +49,14 @@ def simulate(scheduler: Scheduler, executor: SimExecutor, arrivals: Iterable[Req
     the clock reaches `until`, or `stop()` says so."""
     clock = executor.clock
     pending = sorted(arrivals, key=lambda r: clock.now if r.arrival is None else r.arrival)
+    times: list[float] = []  # arrival of pending[i]
     for r in pending:
         if r.arrival is None:
             r.arrival = clock.now
+        times.append(r.arrival)
     run, i = SimRun(list(pending)), 0
     while clock.now < until and not (stop and stop()):
-        while i < len(pending) and pending[i].arrival <= clock.now:
+        while i < len(pending) and times[i] <= clock.now:
             scheduler.add(pending[i])
             i += 1
         batch = scheduler.schedule()
@@ -62,7 +64,7 @@ def simulate(scheduler: Scheduler, executor: SimExecutor, arrivals: Iterable[Req
             if i == len(pending) and not scheduler.has_work():
                 break
             if i < len(pending):
-                clock.now = max(clock.now, pending[i].arrival)  # idle until the next arrival
+                clock.now = max(clock.now, times[i])  # idle until the next arrival
                 continue
             raise RuntimeError("scheduler has work but scheduled nothing (deadlock)")
         start = clock.now

@@ -23,9 +23,12 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         h, d, hid, w = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size, cfg.linear_conv_kernel_dim
         self.h, self.d, self.state_idx = h, d, state_idx
-        for name in ("q", "k", "v"):
-            setattr(self, f"{name}_proj", nn.Linear(hid, h * d, bias=False))
-            setattr(self, f"{name}_conv1d", nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False))
+        self.q_proj = nn.Linear(hid, h * d, bias=False)
+        self.q_conv1d = nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False)
+        self.k_proj = nn.Linear(hid, h * d, bias=False)
+        self.k_conv1d = nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False)
+        self.v_proj = nn.Linear(hid, h * d, bias=False)
+        self.v_conv1d = nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False)
         self.f_a_proj = nn.Linear(hid, d, bias=False)
         self.f_b_proj = nn.Linear(d, h * d, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(h * d))

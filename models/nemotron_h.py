@@ -152,7 +152,7 @@ class NemotronHBlock(nn.Module):
         kind = cfg.layers_block_type[i]
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_epsilon)
         if kind == "linear_attention":
-            self.mixer = Mamba2Mixer(cfg, mixer_idx)
+            self.mixer: nn.Module = Mamba2Mixer(cfg, mixer_idx)
         elif kind == "full_attention":
             self.mixer = Attention(cfg, mixer_idx)
         elif kind == "moe":

@@ -151,7 +151,7 @@ class Qwen3NextBlock(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(cfg, mixer_idx)
         if is_sparse(cfg, i):
-            self.mlp = SparseMoE(cfg)
+            self.mlp: nn.Module = SparseMoE(cfg)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)

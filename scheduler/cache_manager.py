@@ -60,7 +60,7 @@ class CacheManager:
             self.cache.relock(req.node, m.node)
         req.node = m.node
         if m.checkpoint is not None:
-            self.cache.restore(m.checkpoint, req.state_slot)
+            self.cache.restore(m.checkpoint, req.active_slot)
         stale = [p for p, t in zip(req.kv_pages, m.pages) if p != t]  # ours, superseded by the tree's
         self.kv.free(stale)
         req.kv_pages = list(m.pages) + req.kv_pages[len(m.pages):]
@@ -77,8 +77,8 @@ class CacheManager:
         req.kv_pages += pages
         return True
 
-    def chunk_checkpoints(self, req: Req, start: int, end: int) -> tuple[tuple[int, int], ...] | None:
-        """(position, slot) for every admitted checkpoint in (start, end]; None if no slot is left."""
+    def chunk_checkpoints(self, req: Req, start: int, end: int) -> tuple[tuple[int, int], ...]:
+        """(position, slot) for the admitted checkpoints in (start, end], as far as slots are left."""
         out = []
         for pos in self.admission.prefill(start, end, req.fill_len, req.branch_pos):
             slot = self.cache.alloc_checkpoint()
@@ -103,7 +103,7 @@ class CacheManager:
         if decision is DecodeCheckpoint.KEEP:
             slot = self.cache.alloc_checkpoint()
             if slot is not None:
-                self.states.save(req.state_slot, slot)
+                self.states.save(req.active_slot, slot)
                 self.stash(req, pos, {pos: slot})
             return
         if req.rolling_ckpt is None:  # rolling: reuse the request's one writable slot
@@ -112,7 +112,7 @@ class CacheManager:
                 return
         else:
             slot = req.rolling_ckpt[1]
-        self.states.save(req.state_slot, slot)
+        self.states.save(req.active_slot, slot)
         req.rolling_ckpt = (pos, slot)
 
     def release(self, req: Req) -> None:

@@ -211,7 +211,7 @@ def cut(start: int, want: int, fill_len: int, g: int) -> int:
 
 
 def _fill_tokens(prefills: Sequence[Req], budget: int, g: int, one_partial: bool) -> list[Pick]:
-    chunks = []
+    chunks: list[Pick] = []
     for r in prefills:
         if budget <= 0:
             break
@@ -225,7 +225,7 @@ def _fill_tokens(prefills: Sequence[Req], budget: int, g: int, one_partial: bool
     return chunks
 
 
-class Ends(Sequence[int]):
+class Ends:
     """Candidate ends of a chunk from start: the G multiples above start, then fill_len."""
 
     def __init__(self, start: int, fill_len: int, g: int):

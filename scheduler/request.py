@@ -49,7 +49,7 @@ class Req:
     token_times: list[float] = field(default_factory=list)
     retractions: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self._ids = list(self.input_ids) + list(self.output_ids)
         self._tuple: tuple[int, ...] | None = None
         if not self.input_ids:
@@ -85,6 +85,13 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def active_slot(self) -> int:
+        """state_slot of a request that holds one (admitted, not yet released)."""
+        if self.state_slot is None:
+            raise RuntimeError(f"request {self.rid}: holds no active state slot (not admitted, or released)")
+        return self.state_slot
 
     @property
     def max_len(self) -> int:

@@ -67,9 +67,12 @@ def split(child: Node, n: int, ps: int) -> Node:
 
     The checkpoint stays on child, which still ends where it did.
     """
-    upper = Node(child.key[:n], child.pages[: n // ps], child.parent, child.start, child.last_access)
+    parent = child.parent
+    if parent is None:
+        raise ValueError("child: the root or an evicted node has no edge to split")
+    upper = Node(child.key[:n], child.pages[: n // ps], parent, child.start, child.last_access)
     upper.lock_ref = child.lock_ref
-    child.parent.children[child.key[:ps]] = upper
+    parent.children[child.key[:ps]] = upper
     child.key, child.pages = child.key[n:], child.pages[n // ps:]
     child.start, child.parent = child.start + n, upper
     upper.children[child.key[:ps]] = child

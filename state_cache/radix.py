@@ -68,8 +68,9 @@ class StateRadixCache(PrefixCache):
         self._locked_pages = 0
         self._locked_ckpts = 0
         self._counters = dict.fromkeys(
-            ("lookups", "lookup_tokens", "kv_hit_tokens", "state_hit_tokens", "flops_saved",
+            ("lookups", "lookup_tokens", "kv_hit_tokens", "state_hit_tokens",
              "inserted_pages", "inserted_checkpoints", "evicted_pages", "evicted_checkpoints"), 0)
+        self._flops_saved = 0.0  # FLOPs of the state hits (a float, unlike the counters above)
 
     @property
     def granularity(self) -> int:
@@ -106,7 +107,7 @@ class StateRadixCache(PrefixCache):
             c["lookup_tokens"] += len(tokens)
             c["kv_hit_tokens"] += kv_len
             c["state_hit_tokens"] += node.end
-            c["flops_saved"] += self.flops(node.end)
+            self._flops_saved += self.flops(node.end)
         return MatchResult(kv_len, node.end, node, ckpt, path_pages(node), branch)
 
     def continues(self, node: Node | None, tokens: Sequence[int]) -> bool:
@@ -138,22 +139,20 @@ class StateRadixCache(PrefixCache):
     def lock(self, node: Node) -> None:
         if node is not self.root and node.parent is None:
             raise ValueError("node: it was evicted; match again")
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self._locked_pages += len(node.pages)
-                self._locked_ckpts += node.checkpoint is not None
-            node.lock_ref += 1
-            node = node.parent
+        for x in ancestors(node):
+            if x.lock_ref == 0:
+                self._locked_pages += len(x.pages)
+                self._locked_ckpts += x.checkpoint is not None
+            x.lock_ref += 1
 
     def unlock(self, node: Node) -> None:
         if node is not self.root and node.lock_ref <= 0:
             raise ValueError("node: unlock without a matching lock")
-        while node is not self.root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._locked_pages -= len(node.pages)
-                self._locked_ckpts -= node.checkpoint is not None
-            node = node.parent
+        for x in ancestors(node):
+            x.lock_ref -= 1
+            if x.lock_ref == 0:
+                self._locked_pages -= len(x.pages)
+                self._locked_ckpts -= x.checkpoint is not None
 
     def relock(self, old: Node, new: Node) -> None:
         """lock(new) then unlock(old), in O(distance) when new lies below old (a request moving
@@ -310,6 +309,7 @@ class StateRadixCache(PrefixCache):
         while pages < num_pages and heap:
             x = heapq.heappop(heap)[-1]
             parent = x.parent
+            assert parent is not None  # the heap holds nodes of the tree
             ckpts += self._drop_checkpoint(x)
             pages += self.kv_pool.free(x.pages)
             self._owned.difference_update(x.pages)
@@ -366,7 +366,7 @@ class StateRadixCache(PrefixCache):
     def stats(self) -> CacheStats:
         kv, st = self.kv_pool, self.state_pool
         return CacheStats(
-            **self._counters,
+            **self._counters, flops_saved=self._flops_saved,
             pages_total=kv.num_pages, pages_free=kv.num_free,
             pages_cached=len(self._owned), pages_locked=self._locked_pages,
             checkpoints_total=st.num_checkpoints, checkpoints_free=st.num_free_checkpoints,
@@ -381,7 +381,7 @@ class StateRadixCache(PrefixCache):
             where = f"node [{x.start}, {x.end})"
             if not x.key or len(x.key) % ps or len(x.pages) != len(x.key) // ps:
                 raise IntegrityError(f"{where}: key of {len(x.key)} tokens with {len(x.pages)} pages")
-            if x.parent.children.get(x.key[:ps]) is not x or x.start != x.parent.end:
+            if x.parent is None or x.parent.children.get(x.key[:ps]) is not x or x.start != x.parent.end:
                 raise IntegrityError(f"{where}: not linked under its parent")
             if x.lock_ref < sum(c.lock_ref for c in x.children.values()):
                 raise IntegrityError(f"{where}: fewer locks than its children")

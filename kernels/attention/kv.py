@@ -61,7 +61,7 @@ def write_kv(
     if (v_cache is None) != (v is None):
         raise ValueError("v must be given exactly when v_cache is (both None for MLA latent)")
     for cache, new in ((k_cache, k), (v_cache, v)):
-        if cache is None:
+        if cache is None or new is None:  # no v for the MLA latent layout
             continue
         if new.shape[1:] != cache.shape[2:]:
             rows = tuple(cache.shape[2:])

@@ -21,7 +21,8 @@ def naive_causal_conv1d(
     W = weight.shape[1]
     cu = seq_bounds(cu_seqlens, T, x.device)
     N = cu.numel() - 1
-    wanted, count = {}, 0
+    wanted: dict[tuple[int, int], list[int]] = {}  # (sequence, offset) -> checkpoint indices
+    count = 0
     if checkpoint_at is not None:
         where = locate_checkpoints(checkpoint_at, cu)
         for i, (n, off) in enumerate(zip(where.seq.tolist(), where.offset.tolist())):
@@ -42,5 +43,5 @@ def naive_causal_conv1d(
             for i in wanted.get((n, t + 1 - start), []):
                 states[i] = tail
         final[n] = tail
-    out = (y.to(x.dtype), final.to(state_dtype))
-    return out if checkpoint_at is None else out + (states.to(state_dtype),)
+    result = (y.to(x.dtype), final.to(state_dtype))
+    return result if checkpoint_at is None else result + (states.to(state_dtype),)

@@ -7,7 +7,7 @@ state, batched over sequences. The chunk-entry states it keeps are the checkpoin
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +16,8 @@ from kernels.mamba2.varlen import locate_checkpoints, seq_bounds
 CHUNK_SIZE = 128  # NemotronH's `chunk_size` (mamba_chunk_size) default
 
 
-class ChunkLayout(NamedTuple):
+@dataclass(frozen=True)
+class ChunkLayout:
     """Packed tokens regrouped as [NC, L] chunks, each inside one sequence."""
 
     index: torch.Tensor  # [NC * L] int64, packed token of each chunk slot (clamped on padding)

@@ -31,7 +31,7 @@ def naive_ssd(
     rep = H // B.shape[1]
     cu = seq_bounds(cu_seqlens, T, x.device)
     N = cu.numel() - 1
-    wanted = {}
+    wanted: dict[tuple[int, int], list[int]] = {}  # (sequence, offset) -> checkpoint indices
     if checkpoint_at is not None:
         where = locate_checkpoints(checkpoint_at, cu)
         for i, (n, off) in enumerate(zip(where.seq.tolist(), where.offset.tolist())):

@@ -48,6 +48,8 @@ class GroupedTopKRouter(nn.Module):
     choose the experts (top-k within the top groups); weights are the raw scores, optionally
     renormalised, times routed_scaling_factor. Returns (expert ids, weights), both [T, top_k]."""
 
+    e_score_correction_bias: torch.Tensor  # [E], a buffer
+
     def __init__(self, cfg):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(cfg.num_local_experts, cfg.hidden_size))

@@ -1,9 +1,13 @@
 """RMS norms in the fp32 form the reference models use."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+GATE_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
 
 class RMSNorm(nn.Module):
@@ -30,7 +34,7 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.act = {"silu": F.silu, "sigmoid": torch.sigmoid}[activation]
+        self.act = GATE_ACTS[activation]
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
