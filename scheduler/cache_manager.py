@@ -29,10 +29,11 @@ class CacheManager:
         self.admission = cache.admission
         self.hits = cache.config.enable_prefix_cache
 
-    def match(self, req: Req, record: bool = True) -> MatchResult:
-        """The cached prefix of req's fill ids (walked from the node req holds, if any)."""
+    def match(self, req: Req) -> MatchResult:
+        """The cached prefix of req's fill ids (walked from the node req holds, if any); not
+        counted in the cache's stats (admit() counts the one that is used)."""
         tokens = req.token_ids(req.fill_len) if self.hits else ()
-        return self.cache.match_prefix(tokens, record_stats=record and self.hits, start=req.node)
+        return self.cache.match_prefix(tokens, record_stats=False, start=req.node)
 
     def deeper_cached(self, req: Req) -> bool:
         """Whether the tree may hold more of req's fill than req does (an O(page) test)."""
@@ -48,6 +49,8 @@ class CacheManager:
             return False
         req.state_slot = slot
         req.kv_hit_tokens, req.cached_tokens = m.kv_len, m.state_len
+        if self.hits:
+            self.cache.record_lookup(req.fill_len, m)
         req.branch_pos = m.branch_pos
         self.adopt(req, m)
         return True

@@ -51,7 +51,7 @@ class Scheduler:
     @property
     def kv_capacity_tokens(self) -> int:
         """The most tokens one request can ever hold (the whole KV pool)."""
-        return self.cache.kv_pool.num_pages * self.cache.page_size
+        return self.cache.capacity_pages * self.cache.page_size
 
     # -- requests ------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class Scheduler:
             m = cm.match(req)
             cm.cache.lock(m.node)  # the hit pages are not ours to count as evictable
             need = cm.pages_for(req.fill_len + req.max_new_tokens - len(req.output_ids)) - len(m.pages)
-            room = cm.kv.num_free + cm.cache.evictable_pages - self._reserved()
+            room = cm.cache.free_pages + cm.cache.evictable_pages - self._reserved()
             cm.cache.unlock(m.node)
             if need * self.config.decode_reserve > room or not cm.admit(req, m):
                 break  # in policy order: later requests wait behind this one
@@ -218,7 +218,7 @@ class Scheduler:
         (another request put it there); the match walks from the node r holds."""
         if not self.cache_manager.deeper_cached(r):
             return
-        m = self.cache_manager.match(r, record=False)
+        m = self.cache_manager.match(r)
         if m.state_len > r.prefix_len:
             self.cache_manager.adopt(r, m)
 

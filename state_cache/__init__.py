@@ -12,7 +12,7 @@ from state_cache.base import (
     PrefixCache,
 )
 from state_cache.config import CacheConfig
-from state_cache.eviction import PrefillFlops, make_policy, policy_names, register
+from state_cache.eviction import PrefillFlops, make_policy, policy_class, policy_names, register
 from state_cache.kv_pool import KVPool, kv_bytes_per_token
 from state_cache.radix import StateRadixCache
 from state_cache.sizing import MemoryPlan, make_pools, plan_memory
@@ -22,6 +22,6 @@ __all__ = [
     "CacheConfig", "CacheStats", "Candidate", "Checkpoint", "CheckpointAdmission", "DecodeCheckpoint",
     "EvictResult", "EvictionPolicy", "InsertResult", "IntegrityError", "KVPool", "MatchResult",
     "MemoryPlan", "PrefillFlops", "PrefixCache", "StatePool", "StateRadixCache", "granularity",
-    "kv_bytes_per_token", "make_policy", "make_pools", "plan_memory", "policy_names", "register",
+    "kv_bytes_per_token", "make_policy", "make_pools", "plan_memory", "policy_class", "policy_names", "register",
     "state_bytes_per_slot",
 ]

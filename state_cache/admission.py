@@ -41,6 +41,10 @@ def granularity(page_size: int, kernel_chunks: Mapping[str, int], grid: int | No
     return g if grid is None else grid
 
 
+LAST_PROMPT = ("before-final", "floor", "none")
+DECODE = ("rolling", "every", "none")
+
+
 class DecodeCheckpoint(enum.Enum):
     """What to do with the state a decode step just produced."""
 
@@ -54,33 +58,42 @@ class CheckpointAdmission:
     """Which positions get a checkpoint; each rule can be switched off (CacheConfig).
 
     Prefill admits: the end of a chunk that ends on the grid (every stashed middle chunk
-    under G-aligned cuts, and a G-aligned prompt end) [chunk_ends]; the last G-position
-    before the prompt's last token (an identical resend resumes there) [last_prompt]; the
-    branch point found by match_prefix (future requests diverge there again)
-    [branch_points]; every `interval` tokens.
-    Decode keeps the latest G-position (rolling), so a finished request leaves the last
-    G-position of prompt + output (the next turn of a conversation starts there) [decode],
-    plus every `interval` tokens.
+    under G-aligned cuts, and a G-aligned prompt end) [chunk_ends]; near the prompt's end
+    [last_prompt]: "before-final", the last G-position before its last token (an identical
+    resend resumes there), or "floor", the last G-position of the prompt (a prompt of k * G
+    tokens then keeps a state no lookup can use, which is the behaviour of engines that
+    checkpoint the last full block); the branch point found by match_prefix (future requests
+    diverge there again) [branch_points]; every `interval` tokens.
+    Decode [decode_mode]: "rolling" keeps the latest multiple of decode_grid (default G), so a
+    finished request leaves the last one of prompt + output (the next turn of a
+    conversation starts there); "every" keeps each; plus every `interval` tokens.
     """
 
     granularity: int
     interval: int | None = None
     chunk_ends: bool = True
-    last_prompt: bool = True
+    last_prompt: str = "before-final"
     branch_points: bool = True
-    decode_tail: bool = True
+    decode_mode: str = "rolling"
+    decode_grid: int | None = None
 
     @classmethod
     def from_config(cls, g: int, config: CacheConfig) -> CheckpointAdmission:
         return cls(g, config.checkpoint_interval, config.checkpoint_chunk_ends, config.checkpoint_last_prompt,
-                   config.checkpoint_branch_points, config.checkpoint_decode)
+                   config.checkpoint_branch_points, config.checkpoint_decode, config.checkpoint_decode_grid)
 
     def __post_init__(self):
         if self.granularity < 1:
             raise ValueError(f"granularity must be >= 1, got {self.granularity}")
-        if self.interval is not None and (self.interval < 1 or self.interval % self.granularity):
-            raise ValueError(f"interval must be a positive multiple of granularity={self.granularity}, "
-                             f"got {self.interval}")
+        for name in ("interval", "decode_grid"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value % self.granularity):
+                raise ValueError(f"{name} must be a positive multiple of granularity={self.granularity}, "
+                                 f"got {value}")
+        if self.last_prompt not in LAST_PROMPT:
+            raise ValueError(f"last_prompt must be one of {LAST_PROMPT}, got {self.last_prompt!r}")
+        if self.decode_mode not in DECODE:
+            raise ValueError(f"decode_mode must be one of {DECODE}, got {self.decode_mode!r}")
 
     def floor(self, pos: int) -> int:
         """The G-position at or before pos."""
@@ -92,8 +105,8 @@ class CheckpointAdmission:
             raise ValueError(f"need 0 <= start < end <= prompt_len, got start={start} end={end} "
                              f"prompt_len={prompt_len}")
         wanted = set()
-        if self.last_prompt:
-            wanted.add(self.floor(prompt_len - 1))
+        if self.last_prompt != "none":
+            wanted.add(self.floor(prompt_len - (self.last_prompt == "before-final")))
         if self.branch_points:
             wanted.add(branch_pos)
         if self.chunk_ends and end % self.granularity == 0:
@@ -105,8 +118,8 @@ class CheckpointAdmission:
 
     def decode(self, pos: int) -> DecodeCheckpoint:
         """Decision for the state after pos tokens, produced by a decode step."""
-        if pos % self.granularity:
-            return DecodeCheckpoint.NONE
         if self.interval and pos % self.interval == 0:
             return DecodeCheckpoint.KEEP
-        return DecodeCheckpoint.ROLLING if self.decode_tail else DecodeCheckpoint.NONE
+        if pos % (self.decode_grid or self.granularity) or self.decode_mode == "none":
+            return DecodeCheckpoint.NONE
+        return DecodeCheckpoint.ROLLING if self.decode_mode == "rolling" else DecodeCheckpoint.KEEP

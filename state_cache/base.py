@@ -115,18 +115,26 @@ class Candidate(NamedTuple):
     """Something the cache could evict, as a policy sees it.
 
     saved_flops: prefill FLOPs a future request skips thanks to it (0 for KV with no
-                 checkpoint at its end); nbytes: bytes evicting it frees.
+                 checkpoint at its end); nbytes: bytes evicting it frees; node: the cache's
+                 opaque handle of it (for policies that know more than these numbers, such as
+                 an offline reference that knows the trace).
     """
 
     last_access: float
     saved_flops: float
     nbytes: int
+    node: Any = None
 
 
 class EvictionPolicy(ABC):
     """Orders eviction candidates; the cache evicts the lowest priority first."""
 
     name: str
+
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> EvictionPolicy:
+        """The policy with its parameters from a CacheConfig (default: none)."""
+        return cls()
 
     @abstractmethod
     def scorer(self, candidates: Sequence[Candidate]) -> Callable[[Candidate], float]:
@@ -172,11 +180,26 @@ class PrefixCache(ABC):
     @property
     @abstractmethod
     def evictable_pages(self) -> int:
-        """Pages the tree holds on unlocked nodes: what evict() could free now (for admission)."""
+        """Pages evict() could free now (for admission)."""
+
+    @property
+    @abstractmethod
+    def free_pages(self) -> int:
+        """Pages alloc_pages() can hand out without evicting."""
+
+    @property
+    @abstractmethod
+    def capacity_pages(self) -> int:
+        """The most pages the cache can ever give (one request can never hold more)."""
 
     @abstractmethod
     def match_prefix(self, tokens: Sequence[int], *, record_stats: bool = True, start: Any = None) -> MatchResult:
         """Longest cached prefix of tokens; counts a lookup in the stats when record_stats."""
+
+    @abstractmethod
+    def record_lookup(self, num_tokens: int, m: MatchResult) -> None:
+        """Count one lookup of num_tokens with result m in the stats (what match_prefix does
+        with record_stats; for callers that count a match only once it is used)."""
 
     @abstractmethod
     def continues(self, node: Any, tokens: Sequence[int]) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from state_cache.admission import DECODE, LAST_PROMPT
 from state_cache.eviction import policy_names
 
 
@@ -19,6 +20,8 @@ class CacheConfig:
     eviction: str = field(default="lru", metadata={
         "help": "prefix-cache eviction policy: lru, or utility (FLOPs saved per byte, blended with recency)",
         "choices": policy_names})
+    eviction_recency_weight: float = field(default=0.3, metadata={
+        "help": "weight of recency against FLOPs saved per byte in the utility eviction score (0..1)"})
     checkpoint_grid: int | None = field(default=None, metadata={
         "help": "checkpoint positions are multiples of this many tokens (a multiple of G = max(kernel chunk, "
                 "page size)); unset: G"})
@@ -27,15 +30,20 @@ class CacheConfig:
                 "checkpoint_* rules say"})
     checkpoint_chunk_ends: bool = field(default=True, metadata={
         "help": "checkpoint the end of every prefill chunk that ends on the grid"})
-    checkpoint_last_prompt: bool = field(default=True, metadata={
-        "help": "checkpoint the last grid position before a prompt's final token (an identical resend "
-                "resumes there)"})
+    checkpoint_last_prompt: str = field(default="before-final", metadata={
+        "help": "checkpoint near a prompt's end: before-final (the last grid position before its final token: an "
+                "identical resend resumes there), floor (the last grid position of the prompt), none",
+        "choices": LAST_PROMPT})
     checkpoint_branch_points: bool = field(default=True, metadata={
         "help": "checkpoint the grid position where a prompt leaves a cached path (later requests branch "
                 "there again)"})
-    checkpoint_decode: bool = field(default=True, metadata={
-        "help": "keep the last grid position reached while decoding (a conversation's next turn resumes "
-                "there)"})
+    checkpoint_decode: str = field(default="rolling", metadata={
+        "help": "checkpoints while decoding: rolling (keep the last multiple of --checkpoint-decode-grid reached: "
+                "a conversation's next turn resumes there), every (keep each), none",
+        "choices": DECODE})
+    checkpoint_decode_grid: int | None = field(default=None, metadata={
+        "help": "decode checkpoints sit on multiples of this many tokens (a multiple of the checkpoint grid); "
+                "unset: the checkpoint grid"})
     split_keeps_checkpoint: bool = field(default=True, metadata={
         "help": "a radix node split by a shorter match keeps its checkpoint (off: the state is dropped, as "
                 "in caches that key states by node)"})
@@ -43,10 +51,18 @@ class CacheConfig:
     def __post_init__(self):
         if self.eviction not in policy_names():
             raise ValueError(f"eviction: unknown eviction policy {self.eviction!r}; known: {', '.join(policy_names())}")
-        for name in ("checkpoint_grid", "checkpoint_interval"):
+        if not 0 <= self.eviction_recency_weight <= 1:
+            raise ValueError(f"eviction_recency_weight must be in [0, 1], got {self.eviction_recency_weight}")
+        if self.checkpoint_last_prompt not in LAST_PROMPT:
+            raise ValueError(f"checkpoint_last_prompt: {self.checkpoint_last_prompt!r} is not one of "
+                             f"{list(LAST_PROMPT)}")
+        if self.checkpoint_decode not in DECODE:
+            raise ValueError(f"checkpoint_decode: {self.checkpoint_decode!r} is not one of {list(DECODE)}")
+        for name in ("checkpoint_grid", "checkpoint_interval", "checkpoint_decode_grid"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or unset, got {value!r}")
-        if self.checkpoint_interval and self.checkpoint_grid and self.checkpoint_interval % self.checkpoint_grid:
-            raise ValueError(f"checkpoint_interval={self.checkpoint_interval} must be a multiple of "
-                             f"checkpoint_grid={self.checkpoint_grid}")
+        for name in ("checkpoint_interval", "checkpoint_decode_grid"):
+            value = getattr(self, name)
+            if value and self.checkpoint_grid and value % self.checkpoint_grid:
+                raise ValueError(f"{name}={value} must be a multiple of checkpoint_grid={self.checkpoint_grid}")

@@ -10,9 +10,12 @@ Policies see only `Candidate`s (no tree, no tensors), so they run on trace repla
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from state_cache.base import Candidate, EvictionPolicy
+
+if TYPE_CHECKING:
+    from state_cache.config import CacheConfig
 
 FlopsFn = Callable[[int], float]
 
@@ -66,11 +69,16 @@ def policy_names() -> list[str]:
     return sorted(_POLICIES)
 
 
-def make_policy(name: str, **kwargs) -> EvictionPolicy:
-    """The policy registered as `name`, built with kwargs; ValueError lists the known names."""
+def policy_class(name: str) -> type[EvictionPolicy]:
+    """The policy registered as `name`; ValueError lists the known names."""
     if name not in _POLICIES:
         raise ValueError(f"policy: unknown eviction policy {name!r}; known: {', '.join(policy_names())}")
-    return _POLICIES[name](**kwargs)
+    return _POLICIES[name]
+
+
+def make_policy(name: str, **kwargs) -> EvictionPolicy:
+    """The policy registered as `name`, built with kwargs; ValueError lists the known names."""
+    return policy_class(name)(**kwargs)
 
 
 @register("lru")
@@ -90,6 +98,10 @@ class UtilityPolicy(EvictionPolicy):
         if not 0.0 <= recency_weight <= 1.0:
             raise ValueError(f"recency_weight must be in [0, 1], got {recency_weight}")
         self.recency_weight = recency_weight
+
+    @classmethod
+    def from_config(cls, config: CacheConfig) -> UtilityPolicy:
+        return cls(config.eviction_recency_weight)
 
     def scorer(self, candidates: Sequence[Candidate]) -> Callable[[Candidate], float]:
         top = max((_utility(c) for c in candidates), default=0.0) or 1.0

@@ -26,7 +26,7 @@ from state_cache.base import (
     PrefixCache,
 )
 from state_cache.config import CacheConfig
-from state_cache.eviction import FlopsFn, as_flops, make_policy
+from state_cache.eviction import FlopsFn, as_flops, policy_class
 from state_cache.kv_pool import KVPool
 from state_cache.node import Node, ancestors, common_pages, ids, iter_nodes, node_at, path_pages, split, walk
 from state_cache.state_pool import StatePool
@@ -42,6 +42,11 @@ class StateRadixCache(PrefixCache):
     config: the behaviour (checkpoint admission, eviction policy, splits); default CacheConfig().
     flops: FLOPs of prefilling [0, pos), a callable or a (per_token, attn_quadratic) pair.
     clock: returns the time used for recency (default: a counter ticking once per call).
+    budget_bytes: one byte budget for KV pages (cached or in use) and checkpoint slots
+    together; eviction then weighs both kinds in one policy order. None: the two pools'
+    own sizes bound them separately (pages and checkpoints evicted apart).
+    policy: a built EvictionPolicy instead of config.eviction's (one made from data, such as
+    the offline reference of the benchmarks).
     """
 
     def __init__(
@@ -52,6 +57,8 @@ class StateRadixCache(PrefixCache):
         config: CacheConfig | None = None,
         flops: FlopsFn | tuple[float, float] | None = None,
         clock: Callable[[], float] | None = None,
+        budget_bytes: int | None = None,
+        policy: EvictionPolicy | None = None,
     ):
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -59,7 +66,10 @@ class StateRadixCache(PrefixCache):
         self.config = config = config or CacheConfig()
         self._g = granularity(self.page_size, kernel_chunks, config.checkpoint_grid)
         self.admission = CheckpointAdmission.from_config(self._g, config)
-        self.policy: EvictionPolicy = make_policy(config.eviction)
+        self.policy: EvictionPolicy = policy or policy_class(config.eviction).from_config(config)
+        if budget_bytes is not None and budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
         self.flops = as_flops(flops)
         self._clock = clock or itertools.count().__next__
         self.root = Node((), [], None, 0, self._clock())
@@ -78,8 +88,30 @@ class StateRadixCache(PrefixCache):
 
     @property
     def evictable_pages(self) -> int:
-        """Pages the tree holds on unlocked nodes (all of them can be evicted)."""
-        return len(self._owned) - self._locked_pages
+        """Pages evict() could free now (under a byte budget: the unlocked bytes, in pages)."""
+        if self.budget_bytes is None:
+            return len(self._owned) - self._locked_pages
+        unlocked = ((len(self._owned) - self._locked_pages) * self.kv_pool.bytes_per_page
+                    + (len(self._holders) - self._locked_ckpts) * self.state_pool.bytes_per_slot)
+        return unlocked // max(self.kv_pool.bytes_per_page, 1)
+
+    @property
+    def free_pages(self) -> int:
+        if self.budget_bytes is None:
+            return self.kv_pool.num_free
+        return min(self.kv_pool.num_free, self._free_bytes() // max(self.kv_pool.bytes_per_page, 1))
+
+    @property
+    def capacity_pages(self) -> int:
+        if self.budget_bytes is None:
+            return self.kv_pool.num_pages
+        return min(self.kv_pool.num_pages, self.budget_bytes // max(self.kv_pool.bytes_per_page, 1))
+
+    def _free_bytes(self) -> int:
+        """Budget left (budget_bytes set): pages not free and checkpoint slots not free count."""
+        kv, st = self.kv_pool, self.state_pool
+        used = kv.num_used * kv.bytes_per_page + (st.num_checkpoints - st.num_free_checkpoints) * st.bytes_per_slot
+        return (self.budget_bytes or 0) - used
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -101,14 +133,18 @@ class StateRadixCache(PrefixCache):
         last = path[-1] if path else base
         branch = kv_len // self._g * self._g if self._leaves_path(tokens, last, kv_len) else 0
         ckpt = Checkpoint(node.checkpoint, node.end) if node.checkpoint is not None else None
+        result = MatchResult(kv_len, node.end, node, ckpt, path_pages(node), branch)
         if record_stats:
-            c = self._counters
-            c["lookups"] += 1
-            c["lookup_tokens"] += len(tokens)
-            c["kv_hit_tokens"] += kv_len
-            c["state_hit_tokens"] += node.end
-            self._flops_saved += self.flops(node.end)
-        return MatchResult(kv_len, node.end, node, ckpt, path_pages(node), branch)
+            self.record_lookup(len(tokens), result)
+        return result
+
+    def record_lookup(self, num_tokens: int, m: MatchResult) -> None:
+        c = self._counters
+        c["lookups"] += 1
+        c["lookup_tokens"] += num_tokens
+        c["kv_hit_tokens"] += m.kv_len
+        c["state_hit_tokens"] += m.state_len
+        self._flops_saved += self.flops(m.state_len)
 
     def continues(self, node: Node | None, tokens: Sequence[int]) -> bool:
         node = node or self.root
@@ -284,47 +320,92 @@ class StateRadixCache(PrefixCache):
         if num_checkpoints < 0:
             raise ValueError(f"num_checkpoints must be >= 0, got {num_checkpoints}")
         pages = ckpts = 0
-        if num_pages:
-            pages, ckpts = self._evict_leaves(num_pages)
-        if num_checkpoints > ckpts:
-            ckpts += self._evict_checkpoints(num_checkpoints - ckpts)
+        if self.budget_bytes is not None:  # one budget: the bytes of what was asked, in policy order
+            pages, ckpts = self._evict_bytes(num_pages * self.kv_pool.bytes_per_page
+                                             + num_checkpoints * self.state_pool.bytes_per_slot)
+        else:
+            if num_pages:
+                pages, ckpts = self._evict_leaves(num_pages)
+            if num_checkpoints > ckpts:
+                ckpts += self._evict_checkpoints(num_checkpoints - ckpts)
+        return self._evicted(pages, ckpts)
+
+    def _evicted(self, pages: int, ckpts: int) -> EvictResult:
         self._counters["evicted_pages"] += pages
         self._counters["evicted_checkpoints"] += ckpts
-        log.debug("evicted %d pages and %d checkpoints (asked %d, %d)", pages, ckpts, num_pages, num_checkpoints)
+        log.debug("evicted %d pages and %d checkpoints", pages, ckpts)
         return EvictResult(pages, ckpts)
+
+    def _leaf(self, x: Node) -> Candidate:
+        """x as an eviction candidate: its pages and its checkpoint go together."""
+        has = x.checkpoint is not None
+        nbytes = len(x.pages) * self.kv_pool.bytes_per_page + has * self.state_pool.bytes_per_slot
+        return Candidate(x.last_access, self.flops(x.end) if has else 0.0, nbytes, x)
+
+    def _state(self, x: Node) -> Candidate:
+        """x's checkpoint alone as an eviction candidate (the node keeps its KV)."""
+        return Candidate(x.last_access, self.flops(x.end), self.state_pool.bytes_per_slot, x)
 
     def _evict_leaves(self, num_pages: int) -> tuple[int, int]:
         """Drop unlocked leaves (KV and checkpoint) in policy order; a parent left bare joins."""
-        def cand(x: Node) -> Candidate:
-            has = x.checkpoint is not None
-            nbytes = len(x.pages) * self.kv_pool.bytes_per_page + has * self.state_pool.bytes_per_slot
-            return Candidate(x.last_access, self.flops(x.end) if has else 0.0, nbytes)
-
         leaves = [x for x in iter_nodes(self.root) if not x.children and x.lock_ref == 0]
-        score = self.policy.scorer([cand(x) for x in leaves])
+        score = self.policy.scorer([self._leaf(x) for x in leaves])
         tie = itertools.count()
-        heap = [(score(cand(x)), x.last_access, next(tie), x) for x in leaves]
+        heap = [(score(self._leaf(x)), x.last_access, next(tie), x) for x in leaves]
         heapq.heapify(heap)
         pages = ckpts = 0
         while pages < num_pages and heap:
             x = heapq.heappop(heap)[-1]
-            parent = x.parent
-            assert parent is not None  # the heap holds nodes of the tree
-            ckpts += self._drop_checkpoint(x)
-            pages += self.kv_pool.free(x.pages)
-            self._owned.difference_update(x.pages)
-            del parent.children[x.key[: self.page_size]]
-            x.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (score(cand(parent)), parent.last_access, next(tie), parent))
+            p, c, parent = self._drop_leaf(x)
+            pages, ckpts = pages + p, ckpts + c
+            if parent is not None:
+                heapq.heappush(heap, (score(self._leaf(parent)), parent.last_access, next(tie), parent))
         return pages, ckpts
 
     def _evict_checkpoints(self, num: int) -> int:
         holders = [x for x in self._holders.values() if x.lock_ref == 0]
-        cands = [Candidate(x.last_access, self.flops(x.end), self.state_pool.bytes_per_slot) for x in holders]
+        cands = [self._state(x) for x in holders]
         score = self.policy.scorer(cands)
         order = sorted(range(len(holders)), key=lambda i: (score(cands[i]), cands[i].last_access))
         return sum(self._drop_checkpoint(holders[i]) for i in order[:num])
+
+    def _evict_bytes(self, nbytes: int) -> tuple[int, int]:
+        """Under a byte budget: free at least nbytes, dropping unlocked leaves (KV + checkpoint)
+        and lone checkpoints of inner nodes in one policy order."""
+        kv_bytes, ckpt_bytes = self.kv_pool.bytes_per_page, self.state_pool.bytes_per_slot
+        leaves = [x for x in iter_nodes(self.root) if not x.children and x.lock_ref == 0]
+        inner = [x for x in self._holders.values() if x.children and x.lock_ref == 0]
+        cands = [(self._leaf(x), True) for x in leaves] + [(self._state(x), False) for x in inner]
+        score = self.policy.scorer([c for c, _ in cands])
+        tie = itertools.count()
+        heap = [(score(c), c.last_access, next(tie), leaf, c) for c, leaf in cands]
+        heapq.heapify(heap)
+        pages = ckpts = 0
+        while pages * kv_bytes + ckpts * ckpt_bytes < nbytes and heap:
+            *_, leaf, c = heapq.heappop(heap)
+            x = c.node
+            if not leaf:  # a lone checkpoint (gone already if its node was dropped as a leaf)
+                ckpts += self._drop_checkpoint(x)
+                continue
+            p, k, parent = self._drop_leaf(x)
+            pages, ckpts = pages + p, ckpts + k
+            if parent is not None:
+                nxt = self._leaf(parent)
+                heapq.heappush(heap, (score(nxt), parent.last_access, next(tie), True, nxt))
+        return pages, ckpts
+
+    def _drop_leaf(self, x: Node) -> tuple[int, int, Node | None]:
+        """Remove leaf x (its pages and checkpoint); returns what it freed and its parent if
+        that became an unlocked leaf."""
+        parent = x.parent
+        assert parent is not None  # callers pass nodes of the tree
+        ckpts = self._drop_checkpoint(x)
+        pages = self.kv_pool.free(x.pages)
+        self._owned.difference_update(x.pages)
+        del parent.children[x.key[: self.page_size]]
+        x.parent = None
+        bare = parent is not self.root and not parent.children and parent.lock_ref == 0
+        return pages, ckpts, parent if bare else None
 
     def _drop_checkpoint(self, x: Node) -> int:
         if x.checkpoint is None:
@@ -343,15 +424,26 @@ class StateRadixCache(PrefixCache):
         self.state_pool.restore(checkpoint.slot, active_slot)
 
     def alloc_pages(self, num_pages: int) -> list[int] | None:
-        short = num_pages - self.kv_pool.num_free
+        if self.budget_bytes is None:
+            short = num_pages - self.kv_pool.num_free
+            if short > 0:
+                self.evict(num_pages=short)
+            return self.kv_pool.alloc(num_pages)
+        short = num_pages * self.kv_pool.bytes_per_page - self._free_bytes()
         if short > 0:
-            self.evict(num_pages=short)
-        return self.kv_pool.alloc(num_pages)
+            self._evicted(*self._evict_bytes(short))
+        return self.kv_pool.alloc(num_pages) if num_pages <= self.free_pages else None
 
     def alloc_checkpoint(self) -> int | None:
-        if self.state_pool.num_free_checkpoints == 0:
-            self.evict(num_checkpoints=1)
-        return self.state_pool.alloc_checkpoint()
+        st = self.state_pool
+        if self.budget_bytes is None:
+            if st.num_free_checkpoints == 0:
+                self.evict(num_checkpoints=1)
+            return st.alloc_checkpoint()
+        short = st.bytes_per_slot - self._free_bytes()
+        if short > 0:
+            self._evicted(*self._evict_bytes(short))
+        return st.alloc_checkpoint() if self._free_bytes() >= st.bytes_per_slot else None
 
     def flush(self) -> None:
         if any(x.lock_ref for x in self.root.children.values()):

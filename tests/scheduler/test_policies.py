@@ -72,12 +72,16 @@ class ContractOnly(PrefixCache):
         self.kv_pool, self.state_pool, self.page_size = inner.kv_pool, inner.state_pool, inner.page_size
         self.config, self.admission = inner.config, inner.admission
 
-    granularity = property(lambda self: self._inner.granularity)
-    evictable_pages = property(lambda self: self._inner.evictable_pages)
+
+def _forward(name: str):
+    """The contract member `name` of PrefixCache, answered by the wrapped cache."""
+    if isinstance(getattr(PrefixCache, name), property):
+        return property(lambda self: getattr(self._inner, name))
+    return lambda self, *a, **k: getattr(self._inner, name)(*a, **k)
 
 
-for _name in PrefixCache.__abstractmethods__ - {"granularity", "evictable_pages"}:
-    setattr(ContractOnly, _name, (lambda n: lambda self, *a, **k: getattr(self._inner, n)(*a, **k))(_name))
+for _name in PrefixCache.__abstractmethods__:
+    setattr(ContractOnly, _name, _forward(_name))
 ContractOnly.__abstractmethods__ = frozenset()
 
 

@@ -145,3 +145,16 @@ def test_request_larger_than_pool_is_rejected():
     s, _ = make("serial", pages=4)
     with pytest.raises(ValueError, match="exceeds the KV pool"):
         s.add(Req("big", list(range(200)), 100))
+
+
+def test_each_admission_is_counted_once():
+    """A request that waits many rounds for KV room is looked up in the cache's stats once,
+    when admitted: two requests, one 128-token state hit, give 2 lookups and 128 hit tokens."""
+    s, ex = make("serial", pages=4)  # b fits only once a is done
+    shared = prompt(9, 128)
+    a = req("a", shared + prompt(1, 1), new=40)  # checkpointed at 128: before its last token
+    b = req("b", shared + prompt(2, 70), new=4, at=1e-6)  # waits while a decodes
+    run(s, ex, [a, b])
+    st = s.cache_stats()
+    assert b.cached_tokens == 128
+    assert (st.lookups, st.lookup_tokens, st.state_hit_tokens) == (2, len(a.input_ids) + len(b.input_ids), 128)

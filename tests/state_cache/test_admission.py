@@ -53,10 +53,24 @@ def test_each_rule_can_be_switched_off():
     for name, want in {"checkpoint_chunk_ends": [64], "checkpoint_branch_points": [256]}.items():
         a = CheckpointAdmission.from_config(g, CacheConfig(**{name: False}))
         assert a.prefill(0, 256, 400, branch_pos=64) == want, name
-    no_resend = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_last_prompt=False))
+    no_resend = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_last_prompt="none"))
     assert no_resend.prefill(192, 300, 300) == []
-    no_decode = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_decode=False, checkpoint_interval=256))
+    no_decode = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_decode="none", checkpoint_interval=256))
     assert [no_decode.decode(p) for p in (128, 256)] == [DecodeCheckpoint.NONE, DecodeCheckpoint.KEEP]
+
+
+def test_prompt_end_floor_and_decode_modes():
+    """last_prompt="floor" keeps the prompt's last grid position (for a prompt of k * G tokens
+    that is its end, which no lookup capped at len - 1 can use); decode "every" keeps each
+    decode grid point, on a coarser decode grid when one is set."""
+    floor = CheckpointAdmission.from_config(64, CacheConfig(checkpoint_last_prompt="floor"))
+    assert floor.prefill(0, 300, 300) == [256] and floor.prefill(0, 256, 256) == [256]
+    assert CheckpointAdmission(64).prefill(0, 256, 256) == [192, 256]  # before-final adds 192
+    every = CheckpointAdmission.from_config(64, CacheConfig(checkpoint_decode="every", checkpoint_decode_grid=256))
+    assert [every.decode(p) for p in (64, 256, 320, 512)] == [
+        DecodeCheckpoint.NONE, DecodeCheckpoint.KEEP, DecodeCheckpoint.NONE, DecodeCheckpoint.KEEP]
+    rolling = CheckpointAdmission.from_config(64, CacheConfig(checkpoint_decode_grid=128))
+    assert [rolling.decode(p) for p in (64, 128)] == [DecodeCheckpoint.NONE, DecodeCheckpoint.ROLLING]
 
 
 def test_config_checks_name_the_field():
@@ -65,3 +79,7 @@ def test_config_checks_name_the_field():
         CacheConfig(checkpoint_grid=0)
     with pytest.raises(ValueError, match="checkpoint_interval=192 must be a multiple of checkpoint_grid=128"):
         CacheConfig(checkpoint_grid=128, checkpoint_interval=192)
+    with pytest.raises(ValueError, match="checkpoint_decode: 'sometimes'"):
+        CacheConfig(checkpoint_decode="sometimes")
+    with pytest.raises(ValueError, match="decode_grid must be a positive multiple of granularity=64"):
+        CheckpointAdmission(64, decode_grid=96)

@@ -149,3 +149,46 @@ def test_flops_models():
     assert as_flops(None)(7) == 7.0
     with pytest.raises(ValueError, match="attn_quadratic"):
         PrefillFlops(1.0, -1.0)
+
+
+def test_one_byte_budget_evicts_either_kind_in_policy_order():
+    """Under one byte budget the candidates of both kinds are ranked together: a page
+    allocation frees an inner node's checkpoint alone when the policy ranks it lowest, a
+    checkpoint allocation frees KV; bytes held never exceed the budget, locked nodes stay."""
+
+    class LargestFirst(LRUPolicy):
+        def scorer(self, candidates):
+            return lambda c: -c.nbytes
+
+    def held(cache):
+        st = cache.state_pool
+        return cache.kv_pool.num_used * pb + (st.num_checkpoints - st.num_free_checkpoints) * cb
+
+    kv, st = KVPool(64, 2, [{"kv": (1, 4)}]), StatePool(1, 8, STATE_LAYERS)
+    pb, cb = kv.bytes_per_page, st.bytes_per_slot  # 16 B a page, 96 B a checkpoint
+    cache = StateRadixCache(kv, st, {"kda": 2}, budget_bytes=8 * pb + cb, policy=LargestFirst())
+    a = list(range(8))
+    _insert(cache, a, [4])  # 4 pages and an inner checkpoint at 4: 160 B of 224
+    locked = _insert(cache, [50, 51, 52, 53])  # 2 more pages (192 B), kept locked
+    cache.lock(locked.node)
+    assert cache.free_pages == 2 and cache.capacity_pages == 14
+    pages = cache.alloc_pages(3)  # 16 B short: the 96 B checkpoint ranks lowest and goes alone
+    assert pages is not None and cache.stats().evicted_checkpoints == 1 and cache.stats().evicted_pages == 0
+    assert cache.match_prefix(a).kv_len == 8 and cache.match_prefix(a).state_len == 0  # the KV stayed
+    assert held(cache) <= cache.budget_bytes
+    kv.free(pages)
+
+    lru = StateRadixCache(KVPool(64, 2, [{"kv": (1, 4)}]), StatePool(1, 8, STATE_LAYERS), {"kda": 2},
+                          budget_bytes=8 * pb + cb)
+    _insert(lru, a)  # 4 pages, oldest
+    _insert(lru, [60, 61, 62, 63], [4])  # 2 pages + a checkpoint: 160 B
+    slot = lru.alloc_checkpoint()  # 96 B needed, 64 free: the oldest KV (a's leaf) goes for it
+    assert slot is not None and lru.match_prefix(a).kv_len == 0
+    assert lru.match_prefix([60, 61, 62, 63, 0]).state_len == 4
+    assert held(lru) <= lru.budget_bytes
+    lru.state_pool.free(slot)
+    cache.unlock(locked.node)
+    for c in (cache, lru):
+        c.check_integrity()
+        c.flush()
+        assert c.kv_pool.num_free == c.kv_pool.num_pages and c.state_pool.num_free_checkpoints == 8

@@ -35,12 +35,17 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(
         page=st.sampled_from([1, 2, 3]), g_pages=st.sampled_from([1, 2]),
         policy=st.sampled_from(["lru", "utility"]), num_pages=st.integers(4, 40),
-        num_ckpts=st.integers(1, 5),
+        num_ckpts=st.integers(1, 5), budget=st.one_of(st.none(), st.floats(0.1, 1.0)),
     )
-    def setup(self, page, g_pages, policy, num_pages, num_ckpts):
+    def setup(self, page, g_pages, policy, num_pages, num_ckpts, budget):
+        """budget: None for two pools bounded apart, else one byte budget of that share of both
+        pools' bytes (checkpoint slots hold 2 values: a checkpoint costs as much as 2 tokens)."""
         kv = KVPool(num_pages, page, [{"kv": (1,)}], torch.float64, "cpu")
-        sp = StatePool(1, num_ckpts, [{"s": ((1,), torch.float64)}], "cpu")
-        self.cache = StateRadixCache(kv, sp, {"kda": page * g_pages}, CacheConfig(eviction=policy), flops=(1.0, 0.5))
+        sp = StatePool(1, num_ckpts, [{"s": ((2,), torch.float64)}], "cpu")
+        total = num_pages * kv.bytes_per_page + num_ckpts * sp.bytes_per_slot
+        self.budget = None if budget is None else int(budget * total)
+        self.cache = StateRadixCache(kv, sp, {"kda": page * g_pages}, CacheConfig(eviction=policy), flops=(1.0, 0.5),
+                                     budget_bytes=self.budget)
         self.ps, self.g = page, page * g_pages
         self.ref_kv: dict[tuple, int] = {}
         self.ref_ck: dict[tuple, int] = {}
@@ -108,7 +113,7 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.state_pool.free(slot)
                 slot = self.ref_ck[tokens[:pos]]
             elif slot is not None:
-                self.cache.state_pool.buffers[0]["s"][slot] = self._id(tokens[:pos])
+                self.cache.state_pool.buffers[0]["s"][slot] = self._id(tokens[:pos])  # both values
             if slot is not None:
                 ckpts[pos] = slot
         before = set(self.ref_kv)
@@ -157,7 +162,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert kv[p, 0, 0].item() == self._id(tokens[: (i + 1) * self.ps]), "page reused while cached"
         if state_len:
             assert m.checkpoint.slot == self.ref_ck[tokens[:state_len]]
-            assert self.cache.state_pool.buffers[0]["s"][m.checkpoint.slot].item() == self._id(tokens[:state_len])
+            assert self.cache.state_pool.buffers[0]["s"][m.checkpoint.slot, 1].item() == self._id(tokens[:state_len])
         else:
             assert m.checkpoint is None
 
@@ -176,15 +181,21 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(num_pages=st.integers(0, 8), num_ckpts=st.integers(0, 3))
     def evict(self, num_pages, num_ckpts):
-        """Eviction frees what it reports, all of it when asked for more, never anything locked."""
+        """Eviction frees what it reports, all of it when asked for more, never anything locked;
+        under one byte budget it frees at least the bytes asked for, of either kind."""
         kv_free, ck_free = self.cache.kv_pool.num_free, self.cache.state_pool.num_free_checkpoints
         unlocked_kv = len(set(self.ref_kv) - self._protected_kv())
         unlocked_ck = len(set(self.ref_ck) - self._protected_ck())
         res = self.cache.evict(num_pages=num_pages, num_checkpoints=num_ckpts)
         assert res.pages == self.cache.kv_pool.num_free - kv_free
         assert res.checkpoints == self.cache.state_pool.num_free_checkpoints - ck_free
-        assert res.pages >= min(num_pages, unlocked_kv)
-        assert res.checkpoints >= min(num_ckpts, unlocked_ck)
+        if self.budget is None:
+            assert res.pages >= min(num_pages, unlocked_kv)
+            assert res.checkpoints >= min(num_ckpts, unlocked_ck)
+        else:
+            pb, cb = self.cache.kv_pool.bytes_per_page, self.cache.state_pool.bytes_per_slot
+            freed, asked = res.pages * pb + res.checkpoints * cb, num_pages * pb + num_ckpts * cb
+            assert freed >= min(asked, unlocked_kv * pb + unlocked_ck * cb)
         self._sync_after_eviction()
 
     @invariant()
@@ -198,8 +209,14 @@ class CacheMachine(RuleBasedStateMachine):
         locked_kv, locked_ck = self._protected_kv(), self._protected_ck()
         stats = self.cache.stats()
         assert (stats.pages_locked, stats.checkpoints_locked) == (len(locked_kv), len(locked_ck))
-        assert self.cache.evictable_pages == len(kv) - len(locked_kv)
         assert self.cache.state_pool.num_checkpoints - self.cache.state_pool.num_free_checkpoints == len(ck)
+        if self.budget is None:
+            assert self.cache.evictable_pages == len(kv) - len(locked_kv)
+            return
+        pb, cb = self.cache.kv_pool.bytes_per_page, self.cache.state_pool.bytes_per_slot
+        unlocked = (len(kv) - len(locked_kv)) * pb + (len(ck) - len(locked_ck)) * cb
+        assert self.cache.evictable_pages == unlocked // pb
+        assert len(kv) * pb + len(ck) * cb <= self.budget, "the cache holds more bytes than its budget"
 
     def teardown(self):
         if not hasattr(self, "cache"):
