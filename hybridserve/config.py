@@ -33,7 +33,7 @@ class EngineConfig:
     page_size: int = field(default=64, metadata={"help": "tokens per attention-KV page"})
     memory_gb: float = field(default=1.0, metadata={
         "help": "GiB for the KV pages, the active state slots and the checkpoint slots together"})
-    checkpoint_share: float = field(default=0.2, metadata={
+    checkpoint_share: float = field(default=0.5, metadata={
         "help": "share of the memory left after the active slots that goes to recurrent-state checkpoints "
                 "(the prefix cache of the linear layers); the rest is KV pages"})
     max_model_len: int | None = field(default=None, metadata={

@@ -6,11 +6,13 @@
              full pages move into the tree; lock the new node, unlock the old one
     decode   every G-position the decode state is copied to the rolling checkpoint slot
     release  insert what is computed (+ the rolling checkpoint), unlock, free the pages the
-             tree did not take and the active slot
+             tree did not take and the active slot; a finished request drops the transient
+             chunk-end checkpoints it wrote (admission.transient) unless someone holds them
 """
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from scheduler.request import Req
 from state_cache import DecodeCheckpoint, MatchResult, PrefixCache
@@ -20,8 +22,10 @@ class CacheManager:
     """Where checkpoints go is the cache's `admission`; with `enable_prefix_cache` off in its
     config, requests never resume from it (what they compute is still inserted)."""
 
-    def __init__(self, cache: PrefixCache):
+    def __init__(self, cache: PrefixCache, reserved: Callable[[], int] = lambda: 0):
+        """reserved: the pages running requests may still allocate (checkpoints never take them)."""
         self.cache = cache
+        self.reserved = reserved
         self.kv = cache.kv_pool
         self.states = cache.state_pool
         self.page_size = cache.page_size
@@ -83,11 +87,13 @@ class CacheManager:
     def chunk_checkpoints(self, req: Req, start: int, end: int) -> tuple[tuple[int, int], ...]:
         """(position, slot) for the admitted checkpoints in (start, end], as far as slots are left."""
         out = []
-        for pos in self.admission.prefill(start, end, req.fill_len, req.branch_pos):
-            slot = self.cache.alloc_checkpoint()
+        for pos, kind in self.admission.prefill(start, end, req.fill_len, req.branch_pos).items():
+            slot = self.cache.alloc_checkpoint(self.reserved())
             if slot is None:
                 break  # checkpoints are an optimisation: run without the rest
             out.append((pos, slot))
+            if kind == self.admission.transient_kind:
+                req.transient_ckpts.append(pos)
         return tuple(out)
 
     def stash(self, req: Req, end: int, checkpoints=()) -> None:
@@ -96,6 +102,9 @@ class CacheManager:
         req.kv_pages[r.first_page: r.first_page + len(r.pages)] = r.pages
         self.cache.relock(req.node, r.node)
         req.node = r.node
+        if len(req.transient_ckpts) > 1:  # only the deepest transient chunk end is worth its bytes
+            self.cache.drop_checkpoints(req.token_ids(end), [p for p in req.transient_ckpts[:-1] if p <= end])
+            req.transient_ckpts = [p for p in req.transient_ckpts if p > end] or req.transient_ckpts[-1:]
 
     def after_decode(self, req: Req) -> None:
         """Checkpoint the decode state when prefix_len lands on the grid."""
@@ -104,13 +113,13 @@ class CacheManager:
         if decision is DecodeCheckpoint.NONE:
             return
         if decision is DecodeCheckpoint.KEEP:
-            slot = self.cache.alloc_checkpoint()
+            slot = self.cache.alloc_checkpoint(self.reserved())
             if slot is not None:
                 self.states.save(req.active_slot, slot)
                 self.stash(req, pos, {pos: slot})
             return
         if req.rolling_ckpt is None:  # rolling: reuse the request's one writable slot
-            slot = self.cache.alloc_checkpoint()
+            slot = self.cache.alloc_checkpoint(self.reserved())
             if slot is None:
                 return
         else:
@@ -131,6 +140,9 @@ class CacheManager:
         self.kv.free(req.kv_pages[tree:])
         if req.node is not None:
             self.cache.unlock(req.node)
+        if req.finished and req.transient_ckpts:  # a retracted request keeps them to resume from
+            self.cache.drop_checkpoints(req.token_ids(max(req.transient_ckpts)), req.transient_ckpts)
+            req.transient_ckpts = []
         self.states.free(req.state_slot)
         req.state_slot, req.node, req.kv_pages, req.rolling_ckpt = None, None, [], None
 

@@ -41,6 +41,7 @@ class Req:
     node: Any = None  # the cache node this request holds a lock on
     branch_pos: int = 0
     rolling_ckpt: Any = None  # (pos, slot) of the latest decode checkpoint not yet in the tree
+    transient_ckpts: list[int] = field(default_factory=list)  # chunk-end checkpoint positions to drop at finish
     inflight_middle_chunks: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache (state hit) at admission
     kv_hit_tokens: int = 0

@@ -32,7 +32,7 @@ class Scheduler:
 
     def __init__(self, cache: PrefixCache, config: SchedulerConfig, cost: CostModel, clock: Callable[[], float]):
         self.config, self.cost, self.clock = config, cost, clock
-        self.cache_manager = CacheManager(cache)
+        self.cache_manager = CacheManager(cache, self._reserved)
         self.policy = scheduling_policy(config, cost, cache.granularity)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []

@@ -41,6 +41,7 @@ def granularity(page_size: int, kernel_chunks: Mapping[str, int], grid: int | No
     return g if grid is None else grid
 
 
+CHUNK_ENDS = ("transient", "keep", "none")
 LAST_PROMPT = ("before-final", "floor", "none")
 DECODE = ("rolling", "every", "none")
 
@@ -58,12 +59,17 @@ class CheckpointAdmission:
     """Which positions get a checkpoint; each rule can be switched off (CacheConfig).
 
     Prefill admits: the end of a chunk that ends on the grid (every stashed middle chunk
-    under G-aligned cuts, and a G-aligned prompt end) [chunk_ends]; near the prompt's end
+    under G-aligned cuts, and a G-aligned prompt end) [chunk_ends: "keep"; "transient": the
+    deepest one of a running request only, for concurrent requests with the same prefix and
+    for the request itself after a retraction, dropped when a deeper one is stashed and when
+    the request finishes (see `transient`); "none"]; near the prompt's end
     [last_prompt]: "before-final", the last G-position before its last token (an identical
     resend resumes there), or "floor", the last G-position of the prompt (a prompt of k * G
     tokens then keeps a state no lookup can use, which is the behaviour of engines that
     checkpoint the last full block); the branch point found by match_prefix (future requests
-    diverge there again) [branch_points]; every `interval` tokens.
+    diverge there again) [branch_points]; the last multiple of `hedge` in the prompt (a next
+    turn that does not repeat the prompt's tail exactly still resumes there); every
+    `interval` tokens.
     Decode [decode_mode]: "rolling" keeps the latest multiple of decode_grid (default G), so a
     finished request leaves the last one of prompt + output (the next turn of a
     conversation starts there); "every" keeps each; plus every `interval` tokens.
@@ -71,25 +77,29 @@ class CheckpointAdmission:
 
     granularity: int
     interval: int | None = None
-    chunk_ends: bool = True
+    chunk_ends: str = "transient"
     last_prompt: str = "before-final"
     branch_points: bool = True
     decode_mode: str = "rolling"
     decode_grid: int | None = None
+    hedge: int | None = None
 
     @classmethod
     def from_config(cls, g: int, config: CacheConfig) -> CheckpointAdmission:
+        hedge = config.checkpoint_hedge and -(-config.checkpoint_hedge // g) * g  # rounded up to the grid
         return cls(g, config.checkpoint_interval, config.checkpoint_chunk_ends, config.checkpoint_last_prompt,
-                   config.checkpoint_branch_points, config.checkpoint_decode, config.checkpoint_decode_grid)
+                   config.checkpoint_branch_points, config.checkpoint_decode, config.checkpoint_decode_grid, hedge)
 
     def __post_init__(self):
         if self.granularity < 1:
             raise ValueError(f"granularity must be >= 1, got {self.granularity}")
-        for name in ("interval", "decode_grid"):
+        for name in ("interval", "decode_grid", "hedge"):
             value = getattr(self, name)
             if value is not None and (value < 1 or value % self.granularity):
                 raise ValueError(f"{name} must be a positive multiple of granularity={self.granularity}, "
                                  f"got {value}")
+        if self.chunk_ends not in CHUNK_ENDS:
+            raise ValueError(f"chunk_ends must be one of {CHUNK_ENDS}, got {self.chunk_ends!r}")
         if self.last_prompt not in LAST_PROMPT:
             raise ValueError(f"last_prompt must be one of {LAST_PROMPT}, got {self.last_prompt!r}")
         if self.decode_mode not in DECODE:
@@ -99,22 +109,33 @@ class CheckpointAdmission:
         """The G-position at or before pos."""
         return pos // self.granularity * self.granularity
 
-    def prefill(self, start: int, end: int, prompt_len: int, branch_pos: int = 0) -> list[int]:
-        """Sorted positions in (start, end] to checkpoint while computing prompt tokens [start, end)."""
+    def prefill(self, start: int, end: int, prompt_len: int, branch_pos: int = 0) -> dict[int, str]:
+        """{position: kind} of the checkpoints to write while computing prompt tokens [start,
+        end), positions in (start, end] in order. Kinds: "branch", "interval", "last" (near
+        the prompt's end), "hedge", "chunk"; a position several rules want has the first."""
         if not 0 <= start < end <= prompt_len:
             raise ValueError(f"need 0 <= start < end <= prompt_len, got start={start} end={end} "
                              f"prompt_len={prompt_len}")
-        wanted = set()
-        if self.last_prompt != "none":
-            wanted.add(self.floor(prompt_len - (self.last_prompt == "before-final")))
+        g, wanted = self.granularity, dict[int, str]()
         if self.branch_points:
-            wanted.add(branch_pos)
-        if self.chunk_ends and end % self.granularity == 0:
-            wanted.add(end)
+            wanted.setdefault(branch_pos, "branch")
         if self.interval:
             first = (start // self.interval + 1) * self.interval
-            wanted.update(range(first, end + 1, self.interval))
-        return sorted(p for p in wanted if start < p <= end and p % self.granularity == 0)
+            wanted.update((p, "interval") for p in range(first, end + 1, self.interval) if p not in wanted)
+        if self.last_prompt != "none":
+            wanted.setdefault(self.floor(prompt_len - (self.last_prompt == "before-final")), "last")
+        if self.hedge:
+            wanted.setdefault(prompt_len // self.hedge * self.hedge, "hedge")
+        if self.chunk_ends != "none" and end % g == 0:
+            wanted.setdefault(end, "chunk")
+        return {p: wanted[p] for p in sorted(wanted) if start < p <= end and p % g == 0}
+
+    @property
+    def transient_kind(self) -> str | None:
+        """The kind whose checkpoints live only while their request runs: chunk ends under
+        chunk_ends="transient" (the deepest one of a running request serves concurrent requests
+        with its prefix and the request itself after a retraction)."""
+        return "chunk" if self.chunk_ends == "transient" else None
 
     def decode(self, pos: int) -> DecodeCheckpoint:
         """Decision for the state after pos tokens, produced by a decode step."""
@@ -123,3 +144,4 @@ class CheckpointAdmission:
         if pos % (self.decode_grid or self.granularity) or self.decode_mode == "none":
             return DecodeCheckpoint.NONE
         return DecodeCheckpoint.ROLLING if self.decode_mode == "rolling" else DecodeCheckpoint.KEEP
+

@@ -114,8 +114,9 @@ class CacheStats(NamedTuple):
 class Candidate(NamedTuple):
     """Something the cache could evict, as a policy sees it.
 
-    saved_flops: prefill FLOPs a future request skips thanks to it (0 for KV with no
-                 checkpoint at its end); nbytes: bytes evicting it frees; node: the cache's
+    saved_flops: prefill FLOPs a future request that resumes there would recompute without it
+                 (from the next checkpoint above it; 0 for KV with no checkpoint at its end);
+                 nbytes: bytes evicting it frees; node: the cache's
                  opaque handle of it (for policies that know more than these numbers, such as
                  an offline reference that knows the trace).
     """
@@ -243,6 +244,12 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
+    def drop_checkpoints(self, tokens: Sequence[int], positions: Sequence[int]) -> int:
+        """Free the checkpoints at these positions of tokens' cached path unless a lock is held
+        on their very node (locks below it pin only its KV, which stays); returns how many
+        went. For checkpoints kept only while the request that wrote them needs them."""
+
+    @abstractmethod
     def restore(self, checkpoint: Checkpoint, active_slot: int) -> None:
         """Copy a checkpoint into a request's active slot (every linear layer, same dtype)."""
 
@@ -251,8 +258,10 @@ class PrefixCache(ABC):
         """Pages for a request, evicting cached ones if needed; None if that is not enough."""
 
     @abstractmethod
-    def alloc_checkpoint(self) -> int | None:
-        """A writable checkpoint slot, evicting one if needed; None if all are locked."""
+    def alloc_checkpoint(self, keep_pages: int = 0) -> int | None:
+        """A writable checkpoint slot, evicting if needed; None if everything is locked, or
+        (under one byte budget) if taking it would leave fewer than keep_pages pages
+        allocatable (free or evictable): bytes promised to running requests stay theirs."""
 
     @abstractmethod
     def flush(self) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from state_cache.admission import DECODE, LAST_PROMPT
+from state_cache.admission import CHUNK_ENDS, DECODE, LAST_PROMPT
 from state_cache.eviction import policy_names
 
 
@@ -17,19 +17,25 @@ class CacheConfig:
     enable_prefix_cache: bool = field(default=True, metadata={
         "help": "resume requests from cached prefixes (KV + state checkpoints); off: compute every prompt "
                 "in full (what is computed is still cached)"})
-    eviction: str = field(default="lru", metadata={
+    eviction: str = field(default="utility", metadata={
         "help": "prefix-cache eviction policy: lru, or utility (FLOPs saved per byte, blended with recency)",
         "choices": policy_names})
     eviction_recency_weight: float = field(default=0.3, metadata={
         "help": "weight of recency against FLOPs saved per byte in the utility eviction score (0..1)"})
+    evict_ahead: float = field(default=0.0, metadata={
+        "help": "when an allocation must evict, free at least this share of the pool (or byte budget) at once, "
+                "so a cache of many small entries is not ranked again at every allocation; 0: only what is needed"})
     checkpoint_grid: int | None = field(default=None, metadata={
         "help": "checkpoint positions are multiples of this many tokens (a multiple of G = max(kernel chunk, "
                 "page size)); unset: G"})
     checkpoint_interval: int | None = field(default=None, metadata={
         "help": "also checkpoint every N tokens (a multiple of the checkpoint grid); unset: only where the "
                 "checkpoint_* rules say"})
-    checkpoint_chunk_ends: bool = field(default=True, metadata={
-        "help": "checkpoint the end of every prefill chunk that ends on the grid"})
+    checkpoint_chunk_ends: str = field(default="transient", metadata={
+        "help": "checkpoints at the ends of prefill chunks on the grid: transient (kept while their request runs: "
+                "concurrent requests with the same prefix and a retracted request resume there; dropped when it "
+                "finishes), keep, none",
+        "choices": CHUNK_ENDS})
     checkpoint_last_prompt: str = field(default="before-final", metadata={
         "help": "checkpoint near a prompt's end: before-final (the last grid position before its final token: an "
                 "identical resend resumes there), floor (the last grid position of the prompt), none",
@@ -37,6 +43,9 @@ class CacheConfig:
     checkpoint_branch_points: bool = field(default=True, metadata={
         "help": "checkpoint the grid position where a prompt leaves a cached path (later requests branch "
                 "there again)"})
+    checkpoint_hedge: int | None = field(default=1024, metadata={
+        "help": "also checkpoint the last multiple of this many tokens (rounded up to the grid) in every prompt: "
+                "a next turn that re-renders the prompt's tail still resumes there; unset: no hedge"})
     checkpoint_decode: str = field(default="rolling", metadata={
         "help": "checkpoints while decoding: rolling (keep the last multiple of --checkpoint-decode-grid reached: "
                 "a conversation's next turn resumes there), every (keep each), none",
@@ -51,14 +60,18 @@ class CacheConfig:
     def __post_init__(self):
         if self.eviction not in policy_names():
             raise ValueError(f"eviction: unknown eviction policy {self.eviction!r}; known: {', '.join(policy_names())}")
+        if not 0 <= self.evict_ahead < 1:
+            raise ValueError(f"evict_ahead must be in [0, 1), got {self.evict_ahead}")
         if not 0 <= self.eviction_recency_weight <= 1:
             raise ValueError(f"eviction_recency_weight must be in [0, 1], got {self.eviction_recency_weight}")
+        if self.checkpoint_chunk_ends not in CHUNK_ENDS:
+            raise ValueError(f"checkpoint_chunk_ends: {self.checkpoint_chunk_ends!r} is not one of {list(CHUNK_ENDS)}")
         if self.checkpoint_last_prompt not in LAST_PROMPT:
             raise ValueError(f"checkpoint_last_prompt: {self.checkpoint_last_prompt!r} is not one of "
                              f"{list(LAST_PROMPT)}")
         if self.checkpoint_decode not in DECODE:
             raise ValueError(f"checkpoint_decode: {self.checkpoint_decode!r} is not one of {list(DECODE)}")
-        for name in ("checkpoint_grid", "checkpoint_interval", "checkpoint_decode_grid"):
+        for name in ("checkpoint_grid", "checkpoint_interval", "checkpoint_decode_grid", "checkpoint_hedge"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or unset, got {value!r}")

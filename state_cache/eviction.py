@@ -94,7 +94,7 @@ class UtilityPolicy(EvictionPolicy):
     utility = saved_flops / nbytes; recency = (last_access - oldest) / (newest - oldest).
     """
 
-    def __init__(self, recency_weight: float = 0.3):
+    def __init__(self, recency_weight: float):
         if not 0.0 <= recency_weight <= 1.0:
             raise ValueError(f"recency_weight must be in [0, 1], got {recency_weight}")
         self.recency_weight = recency_weight

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 from typing import Callable, Mapping, Sequence
 
 from state_cache.admission import CheckpointAdmission, granularity
@@ -75,6 +76,7 @@ class StateRadixCache(PrefixCache):
         self.root = Node((), [], None, 0, self._clock())
         self._owned: set[int] = set()  # pages held by the tree
         self._holders: dict[int, Node] = {}  # checkpoint slot -> the node holding it
+        self._leaves: set[Node] = set()  # nodes without children (eviction candidates when unlocked)
         self._locked_pages = 0
         self._locked_ckpts = 0
         self._counters = dict.fromkeys(
@@ -106,6 +108,9 @@ class StateRadixCache(PrefixCache):
         if self.budget_bytes is None:
             return self.kv_pool.num_pages
         return min(self.kv_pool.num_pages, self.budget_bytes // max(self.kv_pool.bytes_per_page, 1))
+
+    def _ahead_bytes(self) -> int:
+        return math.ceil(self.config.evict_ahead * (self.budget_bytes or 0))
 
     def _free_bytes(self) -> int:
         """Budget left (budget_bytes set): pages not free and checkpoint slots not free count."""
@@ -235,6 +240,8 @@ class StateRadixCache(PrefixCache):
             if child is None:  # the rest is new: one leaf
                 child = Node(tokens[pos:], mine[pos // ps:], node, pos, now)
                 node.children[child.key[:ps]] = child
+                self._leaves.discard(node)
+                self._leaves.add(child)
                 self._owned.update(child.pages)
                 new = len(child.pages)
             else:
@@ -340,15 +347,21 @@ class StateRadixCache(PrefixCache):
         """x as an eviction candidate: its pages and its checkpoint go together."""
         has = x.checkpoint is not None
         nbytes = len(x.pages) * self.kv_pool.bytes_per_page + has * self.state_pool.bytes_per_slot
-        return Candidate(x.last_access, self.flops(x.end) if has else 0.0, nbytes, x)
+        return Candidate(x.last_access, self._saved(x) if has else 0.0, nbytes, x)
 
     def _state(self, x: Node) -> Candidate:
         """x's checkpoint alone as an eviction candidate (the node keeps its KV)."""
-        return Candidate(x.last_access, self.flops(x.end), self.state_pool.bytes_per_slot, x)
+        return Candidate(x.last_access, self._saved(x), self.state_pool.bytes_per_slot, x)
+
+    def _saved(self, x: Node) -> float:
+        """What losing x's checkpoint costs a request that would resume there: the FLOPs
+        between it and the next checkpoint above it, where that request resumes instead."""
+        above = next((y.end for y in ancestors(x.parent) if y.checkpoint is not None), 0) if x.parent else 0
+        return self.flops(x.end) - self.flops(above)
 
     def _evict_leaves(self, num_pages: int) -> tuple[int, int]:
         """Drop unlocked leaves (KV and checkpoint) in policy order; a parent left bare joins."""
-        leaves = [x for x in iter_nodes(self.root) if not x.children and x.lock_ref == 0]
+        leaves = [x for x in self._leaves if x.lock_ref == 0]
         score = self.policy.scorer([self._leaf(x) for x in leaves])
         tie = itertools.count()
         heap = [(score(self._leaf(x)), x.last_access, next(tie), x) for x in leaves]
@@ -373,7 +386,7 @@ class StateRadixCache(PrefixCache):
         """Under a byte budget: free at least nbytes, dropping unlocked leaves (KV + checkpoint)
         and lone checkpoints of inner nodes in one policy order."""
         kv_bytes, ckpt_bytes = self.kv_pool.bytes_per_page, self.state_pool.bytes_per_slot
-        leaves = [x for x in iter_nodes(self.root) if not x.children and x.lock_ref == 0]
+        leaves = [x for x in self._leaves if x.lock_ref == 0]
         inner = [x for x in self._holders.values() if x.children and x.lock_ref == 0]
         cands = [(self._leaf(x), True) for x in leaves] + [(self._state(x), False) for x in inner]
         score = self.policy.scorer([c for c, _ in cands])
@@ -404,8 +417,25 @@ class StateRadixCache(PrefixCache):
         self._owned.difference_update(x.pages)
         del parent.children[x.key[: self.page_size]]
         x.parent = None
+        self._leaves.discard(x)
+        if parent is not self.root and not parent.children:
+            self._leaves.add(parent)
         bare = parent is not self.root and not parent.children and parent.lock_ref == 0
         return pages, ckpts, parent if bare else None
+
+    def drop_checkpoints(self, tokens: Sequence[int], positions: Sequence[int]) -> int:
+        tokens, dropped = ids(tokens), 0
+        for p in positions:
+            path, _ = walk(self.root, tokens[:p], self.page_size)
+            x = path[-1] if path else None
+            if x is None or x.end != p or x.checkpoint is None:
+                continue
+            if x.lock_ref > sum(c.lock_ref for c in x.children.values()):
+                continue  # a request holds this very node: it may be about to restore from it
+            self._locked_ckpts -= x.lock_ref > 0
+            dropped += self._drop_checkpoint(x)
+        self._counters["evicted_checkpoints"] += dropped
+        return dropped
 
     def _drop_checkpoint(self, x: Node) -> int:
         if x.checkpoint is None:
@@ -427,22 +457,25 @@ class StateRadixCache(PrefixCache):
         if self.budget_bytes is None:
             short = num_pages - self.kv_pool.num_free
             if short > 0:
-                self.evict(num_pages=short)
+                self.evict(num_pages=max(short, math.ceil(self.config.evict_ahead * self.kv_pool.num_pages)))
             return self.kv_pool.alloc(num_pages)
         short = num_pages * self.kv_pool.bytes_per_page - self._free_bytes()
         if short > 0:
-            self._evicted(*self._evict_bytes(short))
+            self._evicted(*self._evict_bytes(max(short, self._ahead_bytes())))
         return self.kv_pool.alloc(num_pages) if num_pages <= self.free_pages else None
 
-    def alloc_checkpoint(self) -> int | None:
+    def alloc_checkpoint(self, keep_pages: int = 0) -> int | None:
         st = self.state_pool
         if self.budget_bytes is None:
             if st.num_free_checkpoints == 0:
-                self.evict(num_checkpoints=1)
+                self.evict(num_checkpoints=max(1, math.ceil(self.config.evict_ahead * st.num_checkpoints)))
             return st.alloc_checkpoint()
+        if (self.free_pages + self.evictable_pages) * self.kv_pool.bytes_per_page - st.bytes_per_slot \
+                < keep_pages * self.kv_pool.bytes_per_page:
+            return None  # the bytes are promised to running requests' pages
         short = st.bytes_per_slot - self._free_bytes()
         if short > 0:
-            self._evicted(*self._evict_bytes(short))
+            self._evicted(*self._evict_bytes(max(short, self._ahead_bytes())))
         return st.alloc_checkpoint() if self._free_bytes() >= st.bytes_per_slot else None
 
     def flush(self) -> None:
@@ -454,6 +487,7 @@ class StateRadixCache(PrefixCache):
             x.parent = None
         self.root.children.clear()
         self._owned.clear()
+        self._leaves.clear()
 
     def stats(self) -> CacheStats:
         kv, st = self.kv_pool, self.state_pool
@@ -488,6 +522,8 @@ class StateRadixCache(PrefixCache):
             seen.extend(x.pages)
         if len(set(seen)) != len(seen) or set(seen) != self._owned:
             raise IntegrityError("tree: a page is held twice or the page set is stale")
+        if self._leaves != {x for x in iter_nodes(self.root) if not x.children}:
+            raise IntegrityError("tree: the leaf set is stale")
         if any(self.kv_pool.refcount(p) < 1 for p in seen):
             raise IntegrityError("tree: holds a page that the pool has free")
         counted = (len(self._holders), self._locked_pages, self._locked_ckpts, self.state_pool.num_sealed)

@@ -158,3 +158,17 @@ def test_each_admission_is_counted_once():
     st = s.cache_stats()
     assert b.cached_tokens == 128
     assert (st.lookups, st.lookup_tokens, st.state_hit_tokens) == (2, len(a.input_ids) + len(b.input_ids), 128)
+
+
+def test_transient_chunk_checkpoints_live_while_their_request_runs():
+    """A running request keeps its deepest chunk-end checkpoint in the cache (for concurrent
+    requests with its prefix, and for itself after a retraction), one at a time; when it
+    finishes only the checkpoints another rule wants stay (here the resend point at 960)."""
+    s, ex = make("tokens", token_budget=256, checkpoints=16)
+    p = prompt(4, 1000)
+    a = req("a", p, new=2)
+    seen = []
+    run(s, ex, [a], on_round=lambda sc: seen.append((sc.cache.match_prefix(p, record_stats=False).state_len,
+                                                     sc.cache_stats().checkpoints_cached)))
+    assert seen[:3] == [(256, 1), (512, 1), (768, 1)]  # the deepest chunk end only, as a's prefill advances
+    assert s.cache_stats().checkpoints_cached == 1 and s.cache.match_prefix(p).state_len == 960

@@ -7,20 +7,20 @@ from state_cache import CacheConfig, CheckpointAdmission, DecodeCheckpoint
 def test_prefill_admits_chunk_end_resend_point_and_branch():
     """A round admits its grid-aligned end, the last G-position before the prompt's last token, the branch point."""
     a = CheckpointAdmission(64)
-    assert a.prefill(0, 128, 300) == [128]  # a stashed middle chunk
-    assert a.prefill(128, 300, 300) == [256]  # last chunk: resend point floor(299 / 64) * 64
-    assert a.prefill(0, 300, 300, branch_pos=64) == [64, 256]
-    assert a.prefill(0, 256, 256) == [192, 256]  # G-aligned prompt end, and the resend point before it
-    assert a.prefill(0, 100, 300) == []  # an arbitrary cut is not checkpointed
-    assert a.prefill(256, 300, 300, branch_pos=64) == []  # nothing outside (start, end]
-    assert a.prefill(0, 50, 50) == []
+    assert list(a.prefill(0, 128, 300)) == [128]  # a stashed middle chunk
+    assert list(a.prefill(128, 300, 300)) == [256]  # last chunk: resend point floor(299 / 64) * 64
+    assert list(a.prefill(0, 300, 300, branch_pos=64)) == [64, 256]
+    assert list(a.prefill(0, 256, 256)) == [192, 256]  # G-aligned prompt end, and the resend point before it
+    assert list(a.prefill(0, 100, 300)) == []  # an arbitrary cut is not checkpointed
+    assert list(a.prefill(256, 300, 300, branch_pos=64)) == []  # nothing outside (start, end]
+    assert list(a.prefill(0, 50, 50)) == []
 
 
 def test_prefill_interval_adds_every_interval_tokens():
     """With an interval every multiple of it inside the round is admitted too."""
     a = CheckpointAdmission(64, interval=128)
-    assert a.prefill(100, 700, 1000) == [128, 256, 384, 512, 640]
-    assert a.prefill(0, 1000, 1000) == list(range(128, 1000, 128)) + [960]
+    assert list(a.prefill(100, 700, 1000)) == [128, 256, 384, 512, 640]
+    assert list(a.prefill(0, 1000, 1000)) == list(range(128, 1000, 128)) + [960]
 
 
 def test_decode_keeps_latest_grid_point_and_interval_points():
@@ -40,7 +40,7 @@ def test_admission_rejects_bad_arguments():
     with pytest.raises(ValueError, match="granularity"):
         CheckpointAdmission(0)
     with pytest.raises(ValueError, match="start"):
-        CheckpointAdmission(64).prefill(10, 5, 20)
+        list(CheckpointAdmission(64).prefill(10, 5, 20))
 
 
 def test_each_rule_can_be_switched_off():
@@ -48,13 +48,13 @@ def test_each_rule_can_be_switched_off():
     the rolling decode point each go when their CacheConfig switch is off."""
     g = 64
     full = CheckpointAdmission.from_config(g, CacheConfig())
-    assert full.prefill(0, 256, 400, branch_pos=64) == [64, 256]  # branch point, chunk end
-    assert full.prefill(192, 300, 300) == [256]  # the resend point
-    for name, want in {"checkpoint_chunk_ends": [64], "checkpoint_branch_points": [256]}.items():
-        a = CheckpointAdmission.from_config(g, CacheConfig(**{name: False}))
-        assert a.prefill(0, 256, 400, branch_pos=64) == want, name
+    assert list(full.prefill(0, 256, 400, branch_pos=64)) == [64, 256]  # branch point, chunk end
+    assert list(full.prefill(192, 300, 300)) == [256]  # the resend point
+    for off, want in [({"checkpoint_chunk_ends": "none"}, [64]), ({"checkpoint_branch_points": False}, [256])]:
+        a = CheckpointAdmission.from_config(g, CacheConfig(**off))
+        assert list(a.prefill(0, 256, 400, branch_pos=64)) == want, off
     no_resend = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_last_prompt="none"))
-    assert no_resend.prefill(192, 300, 300) == []
+    assert list(no_resend.prefill(192, 300, 300)) == []
     no_decode = CheckpointAdmission.from_config(g, CacheConfig(checkpoint_decode="none", checkpoint_interval=256))
     assert [no_decode.decode(p) for p in (128, 256)] == [DecodeCheckpoint.NONE, DecodeCheckpoint.KEEP]
 
@@ -64,8 +64,8 @@ def test_prompt_end_floor_and_decode_modes():
     that is its end, which no lookup capped at len - 1 can use); decode "every" keeps each
     decode grid point, on a coarser decode grid when one is set."""
     floor = CheckpointAdmission.from_config(64, CacheConfig(checkpoint_last_prompt="floor"))
-    assert floor.prefill(0, 300, 300) == [256] and floor.prefill(0, 256, 256) == [256]
-    assert CheckpointAdmission(64).prefill(0, 256, 256) == [192, 256]  # before-final adds 192
+    assert list(floor.prefill(0, 300, 300)) == [256] and list(floor.prefill(0, 256, 256)) == [256]
+    assert list(CheckpointAdmission(64).prefill(0, 256, 256)) == [192, 256]  # before-final adds 192
     every = CheckpointAdmission.from_config(64, CacheConfig(checkpoint_decode="every", checkpoint_decode_grid=256))
     assert [every.decode(p) for p in (64, 256, 320, 512)] == [
         DecodeCheckpoint.NONE, DecodeCheckpoint.KEEP, DecodeCheckpoint.NONE, DecodeCheckpoint.KEEP]
@@ -83,3 +83,14 @@ def test_config_checks_name_the_field():
         CacheConfig(checkpoint_decode="sometimes")
     with pytest.raises(ValueError, match="decode_grid must be a positive multiple of granularity=64"):
         CheckpointAdmission(64, decode_grid=96)
+
+
+def test_each_position_names_the_rule_that_wants_it():
+    """prefill() names each position's rule; a chunk end another rule also wants takes that
+    rule's kind (so it is not transient), and only chunk ends are transient, when asked."""
+    a = CheckpointAdmission(64, hedge=512)
+    assert a.prefill(0, 256, 1000, branch_pos=64) == {64: "branch", 256: "chunk"}
+    assert a.prefill(256, 960, 1000) == {512: "hedge", 960: "last"}  # 960: chunk end and resend point
+    assert a.prefill(960, 1000, 1000) == {}
+    assert a.transient_kind == "chunk" and CheckpointAdmission(64, chunk_ends="keep").transient_kind is None
+

@@ -23,7 +23,7 @@ from tests.state_cache.harness import KV_LAYERS, STATE_LAYERS, ToyEngine
 
 def _cache(policy, page=2, chunk=4, pages=64, ckpts=8, flops=(1.0, 1.0)) -> StateRadixCache:
     return StateRadixCache(KVPool(pages, page, [{"kv": (1, 4)}]), StatePool(1, ckpts, STATE_LAYERS),
-                           {"kda": chunk}, config=CacheConfig(eviction=policy), flops=flops)
+                           {"kda": chunk}, CacheConfig(eviction=policy, eviction_recency_weight=0.3), flops=flops)
 
 
 def _insert(cache, tokens, ckpt_positions=()):
