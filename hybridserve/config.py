@@ -25,7 +25,8 @@ SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig}
 class EngineConfig:
     model: str = field(default="builtin", metadata={
         "help": "checkpoint folder in the Hugging Face layout (config.json + safetensors + tokenizer), or "
-                "'builtin' for the small Kimi-Linear model shipped with the package (byte tokenizer)"})
+                "'builtin' for the small Kimi-Linear model shipped with the package (byte tokenizer, trained on Python "
+                "sources)"})
     device: str = field(default="cpu", metadata={"help": "torch device to run on, e.g. cpu or cuda:0"})
     dtype: str = field(default="auto", metadata={
         "help": "weight, activation and KV dtype; auto keeps the checkpoint's (recurrent states stay fp32)",

@@ -1,8 +1,15 @@
 """The built-in model: a small Kimi-Linear-architecture checkpoint with a byte tokenizer.
 
-Weights are random but deterministic (seeded); the checkpoint is written on first use to a
-cache folder (HYBRIDSERVE_CACHE, default ~/.cache/hybridserve) in the HF layout, so it loads
-through the same loader as any real checkpoint and nothing is downloaded.
+`builtin_path()` is the trained checkpoint shipped inside this package (models/weights/builtin:
+config.json + a bf16 model.safetensors, 18.6 MB; the loader casts it to the config's float32).
+It was trained for about half an hour on a 2-core CPU on the Python standard library's own
+sources by scripts/train_builtin.py (docs/models.md, "The built-in model"), so its greedy
+continuation of Python code reads as Python. Nothing is written or downloaded to use it.
+
+`random_builtin_path()` is the same architecture with random but deterministic (seeded)
+weights, written on first use to a cache folder (HYBRIDSERVE_CACHE, default
+~/.cache/hybridserve), for tests that want weights independent of the training run. Both are
+HF-layout folders and load through the same loader as any real checkpoint.
 """
 from __future__ import annotations
 
@@ -49,8 +56,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HYBRIDSERVE_CACHE", Path.home() / ".cache" / "hybridserve"))
 
 
+WEIGHTS = Path(__file__).resolve().parent / "weights" / "builtin"
+
+
 def builtin_path() -> Path:
-    """The built-in checkpoint folder, created on first use."""
+    """The shipped trained checkpoint folder (read-only package data)."""
+    if not (WEIGHTS / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{WEIGHTS}: the built-in model's weights are missing (installed without the "
+                                "package data models/weights/builtin/*?)")
+    return WEIGHTS
+
+
+def random_builtin_path() -> Path:
+    """A random-weight (seeded, deterministic) checkpoint of the same architecture, created on
+    first use in the cache folder."""
     path = cache_dir() / NAME
     if not (path / "model.safetensors").is_file():
         write_builtin(path)
@@ -58,6 +77,7 @@ def builtin_path() -> Path:
 
 
 def write_builtin(path: Path) -> None:
+    """Write the seeded random-weight checkpoint (fp32) of CONFIG to `path`."""
     from safetensors.torch import save_file
     from transformers import KimiLinearConfig
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.builtin import ByteTokenizer, builtin_path
+from models.builtin import ByteTokenizer, random_builtin_path
 from models.config import ModelConfig
 from models.loader import load_model
 from tests.models import harness
@@ -89,11 +89,12 @@ def test_model_config_validation_names_field(saved):
 
 
 def test_builtin_model_prefill_decode(tmp_path, monkeypatch):
-    """The built-in model is created deterministically on first use and runs prefill + decode."""
+    """The random-weight built-in model is created deterministically on first use and runs
+    prefill + decode."""
     monkeypatch.setenv("HYBRIDSERVE_CACHE", str(tmp_path / "a"))
-    path_a = builtin_path()
+    path_a = random_builtin_path()
     monkeypatch.setenv("HYBRIDSERVE_CACHE", str(tmp_path / "b"))
-    path_b = builtin_path()
+    path_b = random_builtin_path()
     wa, wb = load_file(path_a / "model.safetensors"), load_file(path_b / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     run = harness.PagedRunner(path_a)
