@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ VOCAB = 320  # 256 bytes + specials, padded
 NAME = "hybridserve-builtin-kimi"
 SEED = 1234
 
-CONFIG = dict(
+CONFIG: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
     num_hidden_layers=8, layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3
     + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 7,

@@ -14,8 +14,8 @@ Who owns what (the accounting map; every arrow is an explicit call):
                   caller's to free.
     active     alloc_active -> exclusive to one request, written in place -> free() by the
     slot       request.  Never referenced by the tree; a hit copies a checkpoint into it.
-    lock       lock(node) pins node and its ancestors (their pages and checkpoints) until
-               unlock(node); locks nest (counted).
+    lock       lock(node) pins node's pages and checkpoint and its ancestors' pages until
+               unlock(node) (ancestors' checkpoints stay evictable); locks nest (counted).
 """
 from __future__ import annotations
 
@@ -152,7 +152,9 @@ class PrefixCache(ABC):
     Contracts a caller may rely on:
       * a match ends only at a checkpoint position: `state_len` is a multiple of
         `granularity` with a checkpoint there, or 0; never more than len(tokens) - 1;
-      * nothing reachable from a locked node is evicted, pages or checkpoints;
+      * a locked node keeps its pages and its checkpoint, and its ancestors keep their pages;
+        the checkpoints of its ancestors may be evicted (a request needs only the one it
+        resumed from, which is on the node it locked);
       * insert() never copies KV: it takes ownership of the caller's pages (see the map in
         this module's docstring) and returns the page ids the caller must use;
       * a checkpoint, once inserted, is never written again; restore() copies it out bit-exact;
@@ -209,7 +211,8 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def lock(self, node: Any) -> None:
-        """Pin node and its ancestors against eviction (counted: one unlock per lock)."""
+        """Pin node (pages, checkpoint) and its ancestors' pages against eviction (counted:
+        one unlock per lock)."""
 
     @abstractmethod
     def unlock(self, node: Any) -> None:

@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 
 class Node:
-    __slots__ = ("key", "pages", "parent", "children", "start", "checkpoint", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "parent", "children", "start", "checkpoint", "lock_ref", "pins", "last_access")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None, start: int, now: float):
         self.key = key
@@ -19,7 +19,8 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}
         self.start = start
         self.checkpoint: int | None = None  # slot id
-        self.lock_ref = 0
+        self.lock_ref = 0  # locks on this node or below it: its pages stay
+        self.pins = 0  # locks on this very node: its checkpoint stays too
         self.last_access = now
 
     @property

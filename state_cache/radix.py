@@ -78,7 +78,7 @@ class StateRadixCache(PrefixCache):
         self._holders: dict[int, Node] = {}  # checkpoint slot -> the node holding it
         self._leaves: set[Node] = set()  # nodes without children (eviction candidates when unlocked)
         self._locked_pages = 0
-        self._locked_ckpts = 0
+        self._pinned_ckpts = 0  # checkpoints on pinned nodes (locked themselves, not just below)
         self._counters = dict.fromkeys(
             ("lookups", "lookup_tokens", "kv_hit_tokens", "state_hit_tokens",
              "inserted_pages", "inserted_checkpoints", "evicted_pages", "evicted_checkpoints"), 0)
@@ -94,7 +94,7 @@ class StateRadixCache(PrefixCache):
         if self.budget_bytes is None:
             return len(self._owned) - self._locked_pages
         unlocked = ((len(self._owned) - self._locked_pages) * self.kv_pool.bytes_per_page
-                    + (len(self._holders) - self._locked_ckpts) * self.state_pool.bytes_per_slot)
+                    + (len(self._holders) - self._pinned_ckpts) * self.state_pool.bytes_per_slot)
         return unlocked // max(self.kv_pool.bytes_per_page, 1)
 
     @property
@@ -183,8 +183,8 @@ class StateRadixCache(PrefixCache):
         for x in ancestors(node):
             if x.lock_ref == 0:
                 self._locked_pages += len(x.pages)
-                self._locked_ckpts += x.checkpoint is not None
             x.lock_ref += 1
+        self._pin(node, 1)
 
     def unlock(self, node: Node) -> None:
         if node is not self.root and node.lock_ref <= 0:
@@ -193,7 +193,16 @@ class StateRadixCache(PrefixCache):
             x.lock_ref -= 1
             if x.lock_ref == 0:
                 self._locked_pages -= len(x.pages)
-                self._locked_ckpts -= x.checkpoint is not None
+        self._pin(node, -1)
+
+    def _pin(self, node: Node, delta: int) -> None:
+        """A lock on node itself: its checkpoint is pinned while node.pins > 0."""
+        if node is self.root:
+            return
+        before = node.pins > 0
+        node.pins += delta
+        if node.checkpoint is not None and before != (node.pins > 0):
+            self._pinned_ckpts += delta
 
     def relock(self, old: Node, new: Node) -> None:
         """lock(new) then unlock(old), in O(distance) when new lies below old (a request moving
@@ -209,8 +218,9 @@ class StateRadixCache(PrefixCache):
         for y in steps:
             if y.lock_ref == 0:
                 self._locked_pages += len(y.pages)
-                self._locked_ckpts += y.checkpoint is not None
             y.lock_ref += 1
+        self._pin(new, 1)
+        self._pin(old, -1)
 
     # -- insert ---------------------------------------------------------------------------
 
@@ -262,7 +272,7 @@ class StateRadixCache(PrefixCache):
                 at.checkpoint = slot
                 self.state_pool.seal(slot)
                 self._holders[slot] = at
-                self._locked_ckpts += at.lock_ref > 0
+                self._pinned_ckpts += at.pins > 0
                 added += 1
             elif at.checkpoint != slot:  # the tree already has this state
                 self.state_pool.free(slot)
@@ -273,9 +283,9 @@ class StateRadixCache(PrefixCache):
 
     def _split(self, child: Node, n: int) -> Node:
         """split() under the config: without split_keeps_checkpoint the lower part loses its
-        checkpoint (unless a request holds it locked)."""
+        checkpoint (unless a request holds that node)."""
         upper = split(child, n, self.page_size)
-        if not self.config.split_keeps_checkpoint and child.lock_ref == 0:
+        if not self.config.split_keeps_checkpoint and child.pins == 0:
             self._counters["evicted_checkpoints"] += self._drop_checkpoint(child)
         return upper
 
@@ -376,18 +386,32 @@ class StateRadixCache(PrefixCache):
         return pages, ckpts
 
     def _evict_checkpoints(self, num: int) -> int:
-        holders = [x for x in self._holders.values() if x.lock_ref == 0]
-        cands = [self._state(x) for x in holders]
+        """Drop unlocked checkpoints in policy order, then, if that is not enough, those above
+        a locked node (kept while they can be: a request running below may share them)."""
+        dropped = 0
+        for tier in self._checkpoint_tiers(inner_only=False):
+            dropped += self._evict_checkpoints_among(tier, num - dropped)
+        return dropped
+
+    def _evict_checkpoints_among(self, nodes: list[Node], num: int) -> int:
+        cands = [self._state(x) for x in nodes]
         score = self.policy.scorer(cands)
-        order = sorted(range(len(holders)), key=lambda i: (score(cands[i]), cands[i].last_access))
-        return sum(self._drop_checkpoint(holders[i]) for i in order[:num])
+        order = sorted(range(len(nodes)), key=lambda i: (score(cands[i]), cands[i].last_access))
+        return sum(self._drop_checkpoint(nodes[i]) for i in order[:max(num, 0)])
+
+    def _checkpoint_tiers(self, inner_only: bool) -> tuple[list[Node], list[Node]]:
+        """Checkpoints that may be evicted: first the unlocked ones, then those locked only
+        from below (no request holds their own node; see PrefixCache.lock)."""
+        free = [x for x in self._holders.values() if x.lock_ref == 0 and (x.children or not inner_only)]
+        above = [x for x in self._holders.values() if x.lock_ref > 0 and x.pins == 0]
+        return free, above
 
     def _evict_bytes(self, nbytes: int) -> tuple[int, int]:
         """Under a byte budget: free at least nbytes, dropping unlocked leaves (KV + checkpoint)
         and lone checkpoints of inner nodes in one policy order."""
         kv_bytes, ckpt_bytes = self.kv_pool.bytes_per_page, self.state_pool.bytes_per_slot
         leaves = [x for x in self._leaves if x.lock_ref == 0]
-        inner = [x for x in self._holders.values() if x.children and x.lock_ref == 0]
+        inner, above = self._checkpoint_tiers(inner_only=True)
         cands = [(self._leaf(x), True) for x in leaves] + [(self._state(x), False) for x in inner]
         score = self.policy.scorer([c for c, _ in cands])
         tie = itertools.count()
@@ -405,6 +429,9 @@ class StateRadixCache(PrefixCache):
             if parent is not None:
                 nxt = self._leaf(parent)
                 heapq.heappush(heap, (score(nxt), parent.last_access, next(tie), True, nxt))
+        short = nbytes - pages * kv_bytes - ckpts * ckpt_bytes
+        if short > 0 and above:  # last resort: checkpoints above a running request
+            ckpts += self._evict_checkpoints_among(above, -(-short // ckpt_bytes))
         return pages, ckpts
 
     def _drop_leaf(self, x: Node) -> tuple[int, int, Node | None]:
@@ -430,10 +457,8 @@ class StateRadixCache(PrefixCache):
             x = path[-1] if path else None
             if x is None or x.end != p or x.checkpoint is None:
                 continue
-            if x.lock_ref > sum(c.lock_ref for c in x.children.values()):
-                continue  # a request holds this very node: it may be about to restore from it
-            self._locked_ckpts -= x.lock_ref > 0
-            dropped += self._drop_checkpoint(x)
+            if x.pins == 0:  # else a request holds this very node: it may restore from it
+                dropped += self._drop_checkpoint(x)
         self._counters["evicted_checkpoints"] += dropped
         return dropped
 
@@ -496,7 +521,7 @@ class StateRadixCache(PrefixCache):
             pages_total=kv.num_pages, pages_free=kv.num_free,
             pages_cached=len(self._owned), pages_locked=self._locked_pages,
             checkpoints_total=st.num_checkpoints, checkpoints_free=st.num_free_checkpoints,
-            checkpoints_cached=len(self._holders), checkpoints_locked=self._locked_ckpts,
+            checkpoints_cached=len(self._holders), checkpoints_locked=self._pinned_ckpts,
             active_total=st.num_active, active_free=st.num_free_active,
         )
 
@@ -509,15 +534,15 @@ class StateRadixCache(PrefixCache):
                 raise IntegrityError(f"{where}: key of {len(x.key)} tokens with {len(x.pages)} pages")
             if x.parent is None or x.parent.children.get(x.key[:ps]) is not x or x.start != x.parent.end:
                 raise IntegrityError(f"{where}: not linked under its parent")
-            if x.lock_ref < sum(c.lock_ref for c in x.children.values()):
-                raise IntegrityError(f"{where}: fewer locks than its children")
+            if x.lock_ref - sum(c.lock_ref for c in x.children.values()) != x.pins:
+                raise IntegrityError(f"{where}: {x.lock_ref} locks, {x.pins} on it, the rest not below it")
             if x.checkpoint is not None:
                 if x.end % self._g or not self.state_pool.is_sealed(x.checkpoint):
                     raise IntegrityError(f"{where}: checkpoint slot {x.checkpoint} off grid or not sealed")
                 if self._holders.get(x.checkpoint) is not x:
                     raise IntegrityError(f"{where}: checkpoint slot {x.checkpoint} missing from the holder map")
                 ckpts += 1
-                locked_ckpts += x.lock_ref > 0
+                locked_ckpts += x.pins > 0
             locked_pages += len(x.pages) if x.lock_ref else 0
             seen.extend(x.pages)
         if len(set(seen)) != len(seen) or set(seen) != self._owned:
@@ -526,7 +551,7 @@ class StateRadixCache(PrefixCache):
             raise IntegrityError("tree: the leaf set is stale")
         if any(self.kv_pool.refcount(p) < 1 for p in seen):
             raise IntegrityError("tree: holds a page that the pool has free")
-        counted = (len(self._holders), self._locked_pages, self._locked_ckpts, self.state_pool.num_sealed)
+        counted = (len(self._holders), self._locked_pages, self._pinned_ckpts, self.state_pool.num_sealed)
         if counted != (ckpts, locked_pages, locked_ckpts, ckpts):
             raise IntegrityError(f"tree: counters {counted} != recount {(ckpts, locked_pages, locked_ckpts, ckpts)}")
         self.kv_pool.check_integrity()

@@ -1,6 +1,7 @@
 import random
 
 import pytest
+import torch
 
 from scheduler import Req, StepOutput, policy_names
 from scheduler.policy import cut
@@ -172,3 +173,27 @@ def test_transient_chunk_checkpoints_live_while_their_request_runs():
                                                      sc.cache_stats().checkpoints_cached)))
     assert seen[:3] == [(256, 1), (512, 1), (768, 1)]  # the deepest chunk end only, as a's prefill advances
     assert s.cache_stats().checkpoints_cached == 1 and s.cache.match_prefix(p).state_len == 960
+
+
+def test_a_long_path_of_checkpoints_never_blocks_its_own_continuation():
+    """Under one byte budget an agent loop's path fills with its own checkpoints; the next step
+    needs only the deepest one, so the others stay evictable and the step is admitted (a lock
+    pinning every checkpoint above it once left such a request waiting forever)."""
+    from hybridserve.sim import SimClock, SimExecutor
+    from scheduler import Scheduler, SchedulerConfig
+    from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache
+    from tests.scheduler.helpers import COST
+
+    kv = KVPool(400, 64, [{"kv": (1, 4)}])  # 512 B a page
+    states = StatePool(2, 40, [{"s": ((1024,), torch.float32)}])  # 4 KiB (8 pages) a checkpoint
+    cache = StateRadixCache(kv, states, {"kda": 64}, CacheConfig(checkpoint_interval=64), budget_bytes=60 * 512)
+    clock = SimClock()
+    s = Scheduler(cache, SchedulerConfig(policy="serial", max_running=1), COST, clock)
+    ex = SimExecutor(COST, clock, token=7)
+    context = prompt(1, 64)
+    for step in range(12):
+        r = req(f"s{step}", context + prompt(100 + step, 64), new=8, at=clock.now)
+        run(s, ex, [r])
+        assert r.finished and r.cached_tokens >= len(context) - 64, step
+        s.check_integrity()
+        context = r.all_ids

@@ -33,7 +33,8 @@ def _insert(cache, tokens, ckpt_positions=()):
 
 @pytest.mark.parametrize("policy", ["lru", "utility"])
 def test_locked_prefixes_survive_eviction_under_a_byte_budget(policy):
-    """With pools sized from a byte budget, a workload that overflows them never evicts a locked node."""
+    """With pools sized from a byte budget, a workload that overflows them never evicts a locked
+    node's pages or checkpoint, nor its ancestors' pages (their checkpoints may go)."""
     plan = plan_memory(KV_LAYERS, STATE_LAYERS, budget_bytes=12_000, page_size=8, max_running=2,
                        checkpoint_share=0.25, kv_dtype=torch.float64)
     kv, st = make_pools(plan, KV_LAYERS, STATE_LAYERS, torch.float64, "cpu")
@@ -52,7 +53,7 @@ def test_locked_prefixes_survive_eviction_under_a_byte_budget(policy):
     assert s.evicted_pages > 0 and s.evicted_checkpoints > 0
     again = cache.match_prefix(held)
     assert again == pinned
-    assert s.pages_locked == 12 and s.checkpoints_locked == 3
+    assert s.pages_locked == 12 and s.checkpoints_locked == 1  # the one at 96; those at 32 and 64 may go
     cache.unlock(pinned.node)
 
 

@@ -76,7 +76,8 @@ class CacheMachine(RuleBasedStateMachine):
         return {t[:i] for _, t in self.locks for i in range(self.ps, len(t) + 1, self.ps)}
 
     def _protected_ck(self) -> set[tuple]:
-        return {p for p in self.ref_ck if any(t[: len(p)] == p for _, t in self.locks)}
+        """Checkpoints on the locked nodes themselves (those above them may be evicted)."""
+        return {p for p in self.ref_ck if any(t == p for _, t in self.locks)}
 
     def _expected_match(self, tokens: tuple) -> tuple[int, int]:
         kv_len = max(L for L in range(0, len(tokens) + 1, self.ps) if L == 0 or tokens[:L] in self.ref_kv)

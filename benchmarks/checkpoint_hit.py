@@ -1,0 +1,109 @@
+"""Checkpoint-hit benchmark: how much prefill a state cache saves, per cache policy, per trace,
+per capacity (simulated at Kimi-Linear-48B / H200 scale; see docs/checkpoint_hit.md).
+
+    python -m benchmarks.checkpoint_hit                 # default sweep, < 10 min on 2 cores
+    python -m benchmarks.checkpoint_hit --full          # the whole Mooncake hour as well
+    python -m benchmarks.checkpoint_hit --trace my.jsonl --capacities 20 80 --policies ours vllm-align
+    python -m benchmarks.checkpoint_hit --real          # the engine's own counters against the replay
+
+Each point replays a trace through the engine's Scheduler and StateRadixCache on the `sim`
+executor (the clock advances by the H200 cost profile's step times) under one policy's
+configuration at one capacity (bytes of KV pages plus checkpoints). Writes
+benchmarks/results/checkpoint_hit.{json,md} and checkpoint_hit_{hits,ttft}.png. Every figure
+is a simulation unless it says measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from functools import lru_cache
+from pathlib import Path
+
+from benchmarks.replay import GB, POLICIES, replay
+from benchmarks.traces import MOONCAKE, TraceRequest, load
+from benchmarks.traces.generate import GENERATORS
+
+RESULTS = Path(__file__).parent / "results"
+TRACES = ["mooncake", *GENERATORS]
+CAPACITIES = {"mooncake": [10, 40, 160, 640]}  # GB; the larger ones are more than one H200 holds
+SMALL_CAPACITIES = [2.5, 10, 40]  # the generated traces are smaller: they fit in 40 GB
+DEFAULT_MOONCAKE = 2000  # requests of the Mooncake hour in the default run (the first ~9 minutes)
+REFERENCES = ("unbounded", "offline")
+
+
+@lru_cache(maxsize=None)
+def trace(name: str, mooncake_requests: int | None) -> tuple[TraceRequest, ...]:
+    if name == "mooncake":
+        return tuple(load(MOONCAKE, limit=mooncake_requests))
+    if name in GENERATORS:
+        from benchmarks.traces import Tokens, parse
+
+        tokens = Tokens()
+        return tuple(parse(line, tokens, i) for i, line in enumerate(sorted(GENERATORS[name](),
+                                                                            key=lambda d: d["timestamp"])))
+    return tuple(load(name))
+
+
+def point(args: tuple[str, str, float, int | None]) -> dict:
+    name, policy, capacity, mooncake_requests = args
+    t0 = time.perf_counter()
+    row = replay(trace(name, mooncake_requests), POLICIES[policy], capacity)
+    return {"trace": Path(name).stem, **row, "wall_s": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", nargs="+", default=TRACES, help=f"trace names ({', '.join(TRACES)})")
+    ap.add_argument("--trace", action="append", default=[], help="also replay this JSONL trace file")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--capacities", nargs="+", type=float,
+                    help=f"cache GB (1e9 bytes) for every trace (default: {CAPACITIES['mooncake']} for mooncake, "
+                         f"{SMALL_CAPACITIES} for the others)")
+    ap.add_argument("--mooncake-requests", type=int, default=DEFAULT_MOONCAKE,
+                    help="first N requests of the Mooncake hour (--full: all 12,031)")
+    ap.add_argument("--full", action="store_true", help="replay the whole Mooncake hour")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    ap.add_argument("--json", type=Path, default=RESULTS / "checkpoint_hit.json",
+                    help="where to write the rows (the .md summary and the PNGs go beside it)")
+    ap.add_argument("--real", action="store_true", help="check the engine's counters against the replay instead")
+    args = ap.parse_args(argv)
+    if args.real:
+        from benchmarks.checkpoint_real import main as real
+
+        real()
+        return
+    n = None if args.full else args.mooncake_requests
+    names = [t for t in args.traces] + args.trace
+    def capacities(t: str) -> list[float]:
+        return args.capacities or CAPACITIES.get(t, SMALL_CAPACITIES)
+
+    jobs = [(t, p, c * GB, n) for t in names for p in args.policies
+            for c in ([0.0] if p == "unbounded" else capacities(t))]
+    rows = run(jobs, args.jobs)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    from benchmarks.checkpoint_report import report
+
+    report(rows, args.json.with_suffix(".md"), args.json.parent)
+
+
+def run(jobs: list, workers: int) -> list[dict]:
+    from tqdm import tqdm
+
+    order = sorted(range(len(jobs)), key=lambda i: (jobs[i][0] != "mooncake", jobs[i][1] != "offline"))  # slow first
+    rows: list[dict] = [{}] * len(jobs)
+    with ProcessPoolExecutor(workers) as pool, tqdm(total=len(jobs), desc="replays", unit="point") as bar:
+        futures = {pool.submit(point, jobs[i]): i for i in order}
+        for fut in as_completed(futures):
+            i = futures[fut]
+            rows[i] = fut.result()
+            bar.set_postfix_str(f"{rows[i]['trace']} {rows[i]['policy']} {jobs[i][2] / GB:.0f} GB")
+            bar.update()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Tables and plots of the checkpoint-hit benchmark's rows (benchmarks/checkpoint_hit.py)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from benchmarks.replay import GB, POLICIES
+
+STYLE = {"unbounded": dict(ls="--", c="black"), "offline": dict(ls=":", c="black")}
+
+
+def by_trace(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        out[r["trace"]].append(r)
+    return out
+
+
+def table(rows: list[dict], capacities: list[float]) -> str:
+    """Markdown: token (state) hit rate per trace x policy at the given capacities, with the bounds."""
+    lines = []
+    for name, trace_rows in by_trace(rows).items():
+        bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), None)
+        head = " | ".join(f"{c / GB:.0f} GB" for c in capacities)
+        lines += [f"\n### {name}" + (f" (unbounded: {bound:.1%})" if bound is not None else ""), "",
+                  f"| policy | {head} | TTFT p50 / p95 at {capacities[0] / GB:.0f} GB (s) |",
+                  "|---|" + "---|" * len(capacities) + "---|"]
+        for policy in POLICIES:
+            if policy == "unbounded":
+                continue
+            cells = {r["capacity_bytes"]: r for r in trace_rows if r["policy"] == policy}
+            if not cells:
+                continue
+            hits = " | ".join(f"{cells[c]['token_hit_rate']:.1%}" if c in cells else "-" for c in capacities)
+            first = cells.get(capacities[0])
+            ttft = f"{first['ttft_p50_s']:.2f} / {first['ttft_p95_s']:.2f}" if first else "-"
+            lines.append(f"| {policy} | {hits} | {ttft} |")
+    return "\n".join(lines)
+
+
+def report(rows: list[dict], md_path: Path, out_dir: Path) -> None:
+    text = ["# Checkpoint-hit benchmark (simulated: Kimi-Linear-48B-A3B on one H200)", "",
+            "Token hit rate = prompt tokens the linear layers resumed from a checkpoint / prompt tokens looked up "
+            "(a KV hit without a checkpoint is not a hit). Every figure is a simulation."]
+    for trace_rows in by_trace(rows).values():
+        text.append(table(trace_rows, sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"})))
+    md_path.write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    plot_hits(rows, out_dir / "checkpoint_hit_hits.png")
+    plot_ttft(rows, out_dir / "checkpoint_hit_ttft.png")
+
+
+def plot_hits(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = by_trace(rows)
+    cols = min(3, len(traces))
+    rows_ = (len(traces) + cols - 1) // cols
+    fig, axes = plt.subplots(rows_, cols, figsize=(5 * cols, 3.6 * rows_), squeeze=False)
+    for ax, (name, trace_rows) in zip(axes.flat, traces.items()):
+        for policy in POLICIES:
+            pts = sorted((r["capacity_bytes"] / GB, r["token_hit_rate"]) for r in trace_rows if r["policy"] == policy)
+            if not pts:
+                continue
+            if policy == "unbounded":
+                ax.axhline(pts[0][1], label="unbounded (bound)", **STYLE[policy])
+                continue
+            xs, ys = zip(*pts)
+            bold = dict(lw=2.6, zorder=5) if policy == "ours" else {}
+            ax.plot(xs, ys, marker="o", ms=3, label=policy, **STYLE.get(policy, {}), **bold)
+        caps = sorted({r["capacity_bytes"] / GB for r in trace_rows if r["policy"] != "unbounded"})
+        ax.set_xscale("log")
+        ax.set_xticks(caps, [f"{c:g}" for c in caps])
+        ax.minorticks_off()
+        ax.set_title(name)
+        ax.set_xlabel("cache capacity (GB: KV pages + checkpoints)")
+        ax.set_ylabel("token hit rate (state hits)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(traces):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=10, fontsize=8)
+    fig.suptitle("Token hit rate vs cache capacity, Kimi-Linear-48B on one H200 (simulated; higher is better)")
+    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_ttft(rows: list[dict], path: Path, trace: str = "mooncake") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+    import numpy as np
+
+    trace_rows = by_trace(rows).get(trace) or next(iter(by_trace(rows).values()))
+    caps = sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"})
+    cap = caps[len(caps) // 2] if caps else 0.0
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in trace_rows:
+        if r["capacity_bytes"] not in (cap, 0.0):
+            continue
+        t = np.sort(np.asarray(r["ttft_s"]))
+        ax.plot(t, np.arange(1, len(t) + 1) / len(t), label=r["policy"], **STYLE.get(r["policy"], {}))
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("TTFT (s, log)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"TTFT CDF, {trace_rows[0]['trace']} at {cap / GB:.0f} GB (simulated H200; left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
