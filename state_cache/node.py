@@ -10,7 +10,8 @@ from typing import Iterator, Sequence
 
 
 class Node:
-    __slots__ = ("key", "pages", "parent", "children", "start", "checkpoint", "lock_ref", "pins", "last_access")
+    __slots__ = ("key", "pages", "parent", "children", "start", "checkpoint", "lock_ref", "pins", "last_access",
+                 "resumed_at")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None, start: int, now: float):
         self.key = key
@@ -21,7 +22,8 @@ class Node:
         self.checkpoint: int | None = None  # slot id
         self.lock_ref = 0  # locks on this node or below it: its pages stay
         self.pins = 0  # locks on this very node: its checkpoint stays too
-        self.last_access = now
+        self.last_access = now  # a lookup or insert passed through (its KV was used)
+        self.resumed_at = now  # a request resumed from its checkpoint (or the checkpoint was written)
 
     @property
     def end(self) -> int:

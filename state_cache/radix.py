@@ -33,6 +33,10 @@ from state_cache.node import Node, ancestors, common_pages, ids, iter_nodes, nod
 from state_cache.state_pool import StatePool
 
 log = logging.getLogger(__name__)
+# A checkpoint with a deeper one below it on its only path serves only requests that stop
+# between the two (resends of a shorter prompt); eviction counts this share of its FLOPs.
+# Chosen on the checkpoint-hit benchmark's traces (docs/checkpoint_hit.md), not derived.
+SHADOWED_SHARE = 0.3
 
 
 class StateRadixCache(PrefixCache):
@@ -150,6 +154,7 @@ class StateRadixCache(PrefixCache):
         c["kv_hit_tokens"] += m.kv_len
         c["state_hit_tokens"] += m.state_len
         self._flops_saved += self.flops(m.state_len)
+        m.node.resumed_at = self._clock()
 
     def continues(self, node: Node | None, tokens: Sequence[int]) -> bool:
         node = node or self.root
@@ -269,7 +274,7 @@ class StateRadixCache(PrefixCache):
         for p, slot in sorted(checkpoints.items()):
             at = self._node_at(base if p >= base.end else self.root, tokens, p)
             if at.checkpoint is None:
-                at.checkpoint = slot
+                at.checkpoint, at.resumed_at = slot, now
                 self.state_pool.seal(slot)
                 self._holders[slot] = at
                 self._pinned_ckpts += at.pins > 0
@@ -360,14 +365,28 @@ class StateRadixCache(PrefixCache):
         return Candidate(x.last_access, self._saved(x) if has else 0.0, nbytes, x)
 
     def _state(self, x: Node) -> Candidate:
-        """x's checkpoint alone as an eviction candidate (the node keeps its KV)."""
-        return Candidate(x.last_access, self._saved(x), self.state_pool.bytes_per_slot, x)
+        """x's checkpoint alone as an eviction candidate (the node keeps its KV). Its recency is
+        when a request last resumed from it: lookups that pass through to a deeper checkpoint
+        use the node's KV, not its state."""
+        return Candidate(x.resumed_at, self._saved(x), self.state_pool.bytes_per_slot, x)
 
     def _saved(self, x: Node) -> float:
         """What losing x's checkpoint costs a request that would resume there: the FLOPs
         between it and the next checkpoint above it, where that request resumes instead."""
         above = next((y.end for y in ancestors(x.parent) if y.checkpoint is not None), 0) if x.parent else 0
-        return self.flops(x.end) - self.flops(above)
+        saved = self.flops(x.end) - self.flops(above)
+        return saved * SHADOWED_SHARE if self._shadowed(x) else saved
+
+    @staticmethod
+    def _shadowed(x: Node) -> bool:
+        """Whether x's only continuation in the tree holds a deeper checkpoint before any branch:
+        every cached request through x went on past it, so x serves only a request that stops
+        between the two (a resend of a shorter prompt)."""
+        while len(x.children) == 1:
+            x = next(iter(x.children.values()))
+            if x.checkpoint is not None:
+                return True
+        return False
 
     def _evict_leaves(self, num_pages: int) -> tuple[int, int]:
         """Drop unlocked leaves (KV and checkpoint) in policy order; a parent left bare joins."""
