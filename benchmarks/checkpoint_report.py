@@ -21,9 +21,9 @@ def table(rows: list[dict], capacities: list[float]) -> str:
     lines = []
     for name, trace_rows in by_trace(rows).items():
         bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), None)
-        head = " | ".join(f"{c / GB:.0f} GB" for c in capacities)
+        head = " | ".join(f"{c / GB:g} GB" for c in capacities)
         lines += [f"\n### {name}" + (f" (unbounded: {bound:.1%})" if bound is not None else ""), "",
-                  f"| policy | {head} | TTFT p50 / p95 at {capacities[0] / GB:.0f} GB (s) |",
+                  f"| policy | {head} | TTFT p50 / p95 at {capacities[0] / GB:g} GB (s) |",
                   "|---|" + "---|" * len(capacities) + "---|"]
         for policy in POLICIES:
             if policy == "unbounded":

@@ -78,7 +78,8 @@ class Replayed:
     note: str = ""
 
 
-OTHERS = dict(checkpoint_chunk_ends="keep", checkpoint_hedge=None)  # ours' rules the other engines lack
+OTHERS = dict(checkpoint_chunk_ends="keep", checkpoint_hedge=None,  # ours' rules the other engines lack
+              eviction_shadowed_share=1.0)
 POLICIES = {p.name: p for p in [
     Replayed("ours", CacheConfig(), note="the engine's admission and eviction (CacheConfig()) on one byte budget"),
     Replayed("ours-split", CacheConfig(), state_share=EngineConfig().checkpoint_share,
@@ -96,7 +97,7 @@ POLICIES = {p.name: p for p in [
                                      eviction="lru"),
              page=vllm_block(chunk=64), note="a state for every block; one LRU"),
     Replayed("marconi", CacheConfig(checkpoint_chunk_ends="none", checkpoint_hedge=None, checkpoint_last_prompt="none",
-                                    eviction="utility", eviction_recency_weight=0.5),
+                                    eviction="utility", eviction_recency_weight=0.5, eviction_shadowed_share=1.0),
              note="branch points + last decoded token; recency + FLOPs/byte (alpha = 1); one budget"),
     Replayed("unbounded", CacheConfig(checkpoint_interval=64), unbounded=True,
              note="infinite capacity, a checkpoint at every G: no policy can hit more"),

@@ -22,6 +22,9 @@ class CacheConfig:
         "choices": policy_names})
     eviction_recency_weight: float = field(default=0.3, metadata={
         "help": "weight of recency against FLOPs saved per byte in the utility eviction score (0..1)"})
+    eviction_shadowed_share: float = field(default=0.3, metadata={
+        "help": "share of its FLOPs a checkpoint counts in eviction when a deeper checkpoint sits on its only "
+                "continuation (it then serves only requests that stop in between, such as resends); 1: no discount"})
     evict_ahead: float = field(default=0.0, metadata={
         "help": "when an allocation must evict, free at least this share of the pool (or byte budget) at once, "
                 "so a cache of many small entries is not ranked again at every allocation; 0: only what is needed"})
@@ -62,6 +65,8 @@ class CacheConfig:
             raise ValueError(f"eviction: unknown eviction policy {self.eviction!r}; known: {', '.join(policy_names())}")
         if not 0 <= self.evict_ahead < 1:
             raise ValueError(f"evict_ahead must be in [0, 1), got {self.evict_ahead}")
+        if not 0 <= self.eviction_shadowed_share <= 1:
+            raise ValueError(f"eviction_shadowed_share must be in [0, 1], got {self.eviction_shadowed_share}")
         if not 0 <= self.eviction_recency_weight <= 1:
             raise ValueError(f"eviction_recency_weight must be in [0, 1], got {self.eviction_recency_weight}")
         if self.checkpoint_chunk_ends not in CHUNK_ENDS:

@@ -33,10 +33,6 @@ from state_cache.node import Node, ancestors, common_pages, ids, iter_nodes, nod
 from state_cache.state_pool import StatePool
 
 log = logging.getLogger(__name__)
-# A checkpoint with a deeper one below it on its only path serves only requests that stop
-# between the two (resends of a shorter prompt); eviction counts this share of its FLOPs.
-# Chosen on the checkpoint-hit benchmark's traces (docs/checkpoint_hit.md), not derived.
-SHADOWED_SHARE = 0.3
 
 
 class StateRadixCache(PrefixCache):
@@ -375,7 +371,8 @@ class StateRadixCache(PrefixCache):
         between it and the next checkpoint above it, where that request resumes instead."""
         above = next((y.end for y in ancestors(x.parent) if y.checkpoint is not None), 0) if x.parent else 0
         saved = self.flops(x.end) - self.flops(above)
-        return saved * SHADOWED_SHARE if self._shadowed(x) else saved
+        share = self.config.eviction_shadowed_share
+        return saved * share if share < 1 and self._shadowed(x) else saved
 
     @staticmethod
     def _shadowed(x: Node) -> bool:

@@ -193,3 +193,20 @@ def test_one_byte_budget_evicts_either_kind_in_policy_order():
         c.check_integrity()
         c.flush()
         assert c.kv_pool.num_free == c.kv_pool.num_pages and c.state_pool.num_free_checkpoints == 8
+
+
+def test_shadowed_and_unused_checkpoints_go_first():
+    """A checkpoint with a deeper one on its only continuation (every request through it went
+    on) loses to that deeper one under utility, and a lookup resuming from the deeper one
+    refreshes only that one's recency."""
+    cache = _cache("utility", ckpts=2, flops=(1.0, 0.0))
+    seq = list(range(16))
+    _insert(cache, seq[:12], [12])  # the prompt's checkpoint P (at 12: 12 FLOPs above the root)
+    _insert(cache, seq, [16])  # the same request's decode checkpoint D (4 FLOPs above P); P is shadowed
+    for _ in range(3):
+        assert cache.match_prefix(seq + [99]).state_len == 16  # next turns resume from D
+    slot = cache.alloc_checkpoint()  # the pool is full: one of the two goes
+    assert slot is not None and cache.match_prefix(seq + [99]).state_len == 16
+    assert cache.match_prefix(seq[:12] + [5]).state_len == 0  # P went, though it saves more FLOPs than D
+    cache.state_pool.free(slot)
+    cache.check_integrity()
