@@ -105,7 +105,8 @@ def plot_ttft(rows: list[dict], path: Path, trace: str = "mooncake") -> None:
         if r["capacity_bytes"] not in (cap, 0.0):
             continue
         t = np.sort(np.asarray(r["ttft_s"]))
-        ax.plot(t, np.arange(1, len(t) + 1) / len(t), label=r["policy"], **STYLE.get(r["policy"], {}))
+        bold = dict(lw=2.6, zorder=5) if r["policy"] == "ours" else {}
+        ax.plot(t, np.arange(1, len(t) + 1) / len(t), label=r["policy"], **STYLE.get(r["policy"], {}), **bold)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("TTFT (s, log)")
