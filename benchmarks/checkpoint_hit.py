@@ -18,10 +18,10 @@ import argparse
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import lru_cache
 from pathlib import Path
 
+from benchmarks.parallel import run_points
 from benchmarks.replay import GB, POLICIES, replay
 from benchmarks.traces import MOONCAKE, TraceRequest, load
 from benchmarks.traces.generate import GENERATORS
@@ -91,18 +91,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(jobs: list, workers: int) -> list[dict]:
-    from tqdm import tqdm
-
-    order = sorted(range(len(jobs)), key=lambda i: (jobs[i][0] != "mooncake", jobs[i][1] != "offline"))  # slow first
-    rows: list[dict] = [{}] * len(jobs)
-    with ProcessPoolExecutor(workers) as pool, tqdm(total=len(jobs), desc="replays", unit="point") as bar:
-        futures = {pool.submit(point, jobs[i]): i for i in order}
-        for fut in as_completed(futures):
-            i = futures[fut]
-            rows[i] = fut.result()
-            bar.set_postfix_str(f"{rows[i]['trace']} {rows[i]['policy']} {jobs[i][2] / GB:.0f} GB")
-            bar.update()
-    return rows
+    return run_points(point, jobs, workers, "replays", label=lambda j: f"{Path(j[0]).stem} {j[1]} {j[2] / GB:.0f} GB",
+                      first=lambda j: (j[0] != "mooncake", j[1] != "offline"))  # slow first
 
 
 if __name__ == "__main__":

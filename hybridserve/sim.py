@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from scheduler import Batch, CostModel, Executor, Req, Scheduler, StepOutput
+from scheduler import Batch, BatchShape, CostModel, Executor, Req, Scheduler, StepOutput
 
 
 class SimClock:
@@ -22,13 +22,26 @@ class SimClock:
 
 
 class SimExecutor(Executor):
-    """Runs a batch by advancing the clock by its predicted step time; samples `token`."""
+    """Runs a batch by advancing the clock by its predicted step time; samples `token`.
 
-    def __init__(self, cost: CostModel, clock: SimClock, token: int | Callable[[Req], int] = 0):
-        self.cost, self.clock, self.token = cost, clock, token
+    replay_grid: price an engine that keeps a request's state only at multiples of this many
+    tokens, so a chunk starting off that grid first recomputes from the multiple below its
+    start; `replayed` records each recomputed range (req, from, to).
+    """
+
+    def __init__(self, cost: CostModel, clock: SimClock, token: int | Callable[[Req], int] = 0,
+                 replay_grid: int | None = None):
+        self.cost, self.clock, self.token, self.replay_grid = cost, clock, token, replay_grid
+        self.replayed: list[tuple[Req, int, int]] = []
 
     def run(self, batch: Batch) -> StepOutput:
-        dt = self.cost.step_time(batch.shape)
+        shape = batch.shape
+        if self.replay_grid:
+            g = self.replay_grid
+            starts = [c.start // g * g for c in batch.chunks]
+            self.replayed += [(c.req, s, c.start) for c, s in zip(batch.chunks, starts) if s < c.start]
+            shape = BatchShape([(s, c.end - s) for c, s in zip(batch.chunks, starts)], shape.decode)
+        dt = self.cost.step_time(shape)
         self.clock.now += dt
         tok = self.token
         return StepOutput([tok(r) if callable(tok) else tok for r in batch.sampling_reqs], dt)

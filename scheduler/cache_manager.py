@@ -85,9 +85,13 @@ class CacheManager:
         return True
 
     def chunk_checkpoints(self, req: Req, start: int, end: int) -> tuple[tuple[int, int], ...]:
-        """(position, slot) for the admitted checkpoints in (start, end], as far as slots are left."""
+        """(position, slot) for the admitted checkpoints in (start, end], as far as slots are left.
+        A kernel writes states G-multiples from a segment's start (and at its end), so a chunk
+        starting off the grid (cuts not aligned) can checkpoint only its own end."""
         out = []
         for pos, kind in self.admission.prefill(start, end, req.fill_len, req.branch_pos).items():
+            if start % self.g and pos != end:
+                continue
             slot = self.cache.alloc_checkpoint(self.reserved())
             if slot is None:
                 break  # checkpoints are an optimisation: run without the rest
@@ -103,7 +107,8 @@ class CacheManager:
         self.cache.relock(req.node, r.node)
         req.node = r.node
         if len(req.transient_ckpts) > 1:  # only the deepest transient chunk end is worth its bytes
-            self.cache.drop_checkpoints(req.token_ids(end), [p for p in req.transient_ckpts[:-1] if p <= end])
+            self.cache.drop_checkpoints(req.token_ids(end), [p for p in req.transient_ckpts[:-1] if p <= end],
+                                        below=req.node)
             req.transient_ckpts = [p for p in req.transient_ckpts if p > end] or req.transient_ckpts[-1:]
 
     def after_decode(self, req: Req) -> None:
@@ -141,7 +146,7 @@ class CacheManager:
         if req.node is not None:
             self.cache.unlock(req.node)
         if req.finished and req.transient_ckpts:  # a retracted request keeps them to resume from
-            self.cache.drop_checkpoints(req.token_ids(max(req.transient_ckpts)), req.transient_ckpts)
+            self.cache.drop_checkpoints(req.token_ids(max(req.transient_ckpts)), req.transient_ckpts, below=req.node)
             req.transient_ckpts = []
         self.states.free(req.state_slot)
         req.state_slot, req.node, req.kv_pages, req.rolling_ckpt = None, None, [], None

@@ -26,6 +26,9 @@ class SchedulerConfig:
         "help": "tokens policy: let decode rows ride along with the prefill chunk"})
     decode_steps_between_prefills: int = field(default=0, metadata={
         "help": "tokens policy: decode-only rounds after each prefill round"})
+    aligned_cuts: bool = field(default=True, metadata={
+        "help": "end every middle prefill chunk on the checkpoint grid G (off: where the budget ends; the "
+                "chunks after an off-grid cut can write no checkpoint, a comparison setting for studies)"})
     decode_reserve: float = field(default=1.0, metadata={
         "help": "share of each request's max_tokens whose KV pages admission reserves (1: admit only what "
                 "surely fits; lower admits more and retracts when the pool runs short)"})

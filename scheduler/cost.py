@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
@@ -73,6 +73,17 @@ class CostModel:
 
     def serial_steps(self, extend: int) -> int:
         return math.ceil(extend / self.chunk)
+
+    def on_gpus(self, n: int) -> "CostModel":
+        """The model spread over n devices: the token (GEMM) and prefill-attention terms split n
+        ways, perfectly (no communication priced); the per-forward latency, the serial chain
+        and the decode terms (latency- or bandwidth-bound, MLA's latent replicated) stay."""
+        if n < 1:
+            raise ValueError(f"gpus must be >= 1, got {n}")
+        if n == 1:
+            return self
+        return replace(self, c_tok=self.c_tok / n, c_attn=self.c_attn / n,
+                       meta={**self.meta, "scaled": f"on_gpus({n})"})
 
     @property
     def coefficients(self) -> list[float]:

@@ -10,7 +10,8 @@ its round planning; the scheduler calls only these methods:
   serial+deadline serial, served earliest-deadline-first; a request whose remaining work no
                   longer fits before its deadline at the target gets a larger chunk, up to
                   `max_step` seconds per round.
-Middle chunks end on multiples of G; only a request's last chunk ends anywhere.
+Middle chunks end on multiples of G (with `aligned_cuts`, the default); only a request's last
+chunk ends anywhere.
 """
 from __future__ import annotations
 
@@ -194,7 +195,7 @@ class SerialDeadline(SerialBudget):
         return sorted(prefills, key=_deadline)
 
     def grow(self, r: Req, base: float, now: float) -> float | None:
-        return deadline_step(self.config.max_step, self.cost, r, base, now)
+        return deadline_step(self.config.max_step, self.cost, r, base, now, self.config.target_step)
 
 
 def _deadline(r: Req) -> float:
@@ -253,21 +254,27 @@ class Ends:
         return self[lo] if lo >= 0 else None
 
 
-def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: float) -> float:
+def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: float,
+                  target: float = 0.0) -> float:
     """The round time that lets r finish its fill by its deadline (capped at max_step).
 
     The prefill work left, W = c_tok * rest + c_attn * layers * (fill^2 - start^2) / 2 +
     c_serial * rest / chunk, does not depend on the cuts. Rounds of length tau spend `base`
     on the rest of the batch and tau - base on r, so finishing takes W * tau / (tau - base):
-    tau = base * left / (left - W) meets the deadline (less one round of slack). Pricing
-    rounds by time rather than tokens keeps the estimate right as attention grows with the
-    prefix.
+    tau = base * left / (left - W) meets the deadline, less one round of slack. The slack is
+    a round of the length being chosen (a fixed point, from `target`), not of max_step: a
+    short deadline would otherwise lose a tenth of its time to slack and double the decode
+    gaps it needs. Pricing rounds by time rather than tokens keeps the estimate right as
+    attention grows with the prefix.
     """
     start, fill = r.extend_end, r.fill_len
     work = (cost.c_tok * (fill - start) + cost.c_attn * cost.attn_layers * (fill * fill - start * start) / 2
             + cost.c_serial * cost.serial_steps(fill - start))
-    left = _deadline(r) - now - max_step  # one round of slack
     base = base or cost.c0
-    if left <= work:
-        return max_step  # late already: as fast as the cap allows
-    return min(max_step, base * left / (left - work))
+    tau = max(target, base)
+    for _ in range(4):  # converges in two or three: tau is small against the time left
+        left = _deadline(r) - now - tau  # one round of slack
+        if left <= work:
+            return max_step  # late already: as fast as the cap allows
+        tau = min(max_step, base * left / (left - work))
+    return tau

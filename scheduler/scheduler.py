@@ -33,7 +33,7 @@ class Scheduler:
     def __init__(self, cache: PrefixCache, config: SchedulerConfig, cost: CostModel, clock: Callable[[], float]):
         self.config, self.cost, self.clock = config, cost, clock
         self.cache_manager = CacheManager(cache, self._reserved)
-        self.policy = scheduling_policy(config, cost, cache.granularity)
+        self.policy = scheduling_policy(config, cost, cache.granularity if config.aligned_cuts else 1)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.inflight: deque[Batch] = deque()

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from state_cache.admission import CheckpointAdmission
     from state_cache.config import CacheConfig
     from state_cache.kv_pool import KVPool
+    from state_cache.node import Node
     from state_cache.state_pool import StatePool
 
 
@@ -247,10 +248,12 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def drop_checkpoints(self, tokens: Sequence[int], positions: Sequence[int]) -> int:
+    def drop_checkpoints(self, tokens: Sequence[int], positions: Sequence[int], below: Node | None = None) -> int:
         """Free the checkpoints at these positions of tokens' cached path unless a lock is held
         on their very node (locks below it pin only its KV, which stays); returns how many
-        went. For checkpoints kept only while the request that wrote them needs them."""
+        went. For checkpoints kept only while the request that wrote them needs them.
+        below: a node on that path at or past every position (found by walking up from it,
+        in O(nodes between) rather than O(path))."""
 
     @abstractmethod
     def restore(self, checkpoint: Checkpoint, active_slot: int) -> None:

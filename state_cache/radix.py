@@ -466,17 +466,26 @@ class StateRadixCache(PrefixCache):
         bare = parent is not self.root and not parent.children and parent.lock_ref == 0
         return pages, ckpts, parent if bare else None
 
-    def drop_checkpoints(self, tokens: Sequence[int], positions: Sequence[int]) -> int:
-        tokens, dropped = ids(tokens), 0
+    def drop_checkpoints(self, tokens: Sequence[int], positions: Sequence[int], below: Node | None = None) -> int:
+        dropped = 0
         for p in positions:
-            path, _ = walk(self.root, tokens[:p], self.page_size)
-            x = path[-1] if path else None
-            if x is None or x.end != p or x.checkpoint is None:
+            x = self._ending_at(tokens, p, below)
+            if x is None or x.checkpoint is None:
                 continue
             if x.pins == 0:  # else a request holds this very node: it may restore from it
                 dropped += self._drop_checkpoint(x)
         self._counters["evicted_checkpoints"] += dropped
         return dropped
+
+    def _ending_at(self, tokens: Sequence[int], pos: int, below: Node | None) -> Node | None:
+        """The node of tokens' cached path that ends at pos, if any (no split)."""
+        if below is not None and below.parent is not None and below.end >= pos:
+            x: Node | None = below
+            while x is not None and x is not self.root and x.end > pos:
+                x = x.parent
+            return x if x is not None and x is not self.root and x.end == pos else None
+        path, _ = walk(self.root, ids(tokens)[:pos], self.page_size)
+        return path[-1] if path and path[-1].end == pos else None
 
     def _drop_checkpoint(self, x: Node) -> int:
         if x.checkpoint is None:
