@@ -286,3 +286,23 @@ def test_split_keeps_or_drops_the_checkpoint(keeps):
     assert m.state_len == (12 if keeps else 0)
     cache.check_integrity()
     assert cache.stats().checkpoints_cached == (1 if keeps else 0)
+
+
+@pytest.mark.parametrize("use_below", [False, True])
+def test_drop_checkpoints_from_the_root_or_walking_up_from_a_deeper_node(use_below):
+    """Dropping by position finds the same nodes whether it walks down from the root or up
+    from a node below them (what a chunked prefill does once per chunk); a position with
+    no node ending there drops nothing."""
+    cache = _cache()
+    a = list(range(24))
+    for end in (8, 16, 24):  # three chunks, a checkpoint at each end
+        m = cache.match_prefix(a[:end], record_stats=False)
+        pages = list(m.pages) + cache.alloc_pages((end - m.kv_len) // cache.page_size)
+        node = cache.insert(a[:end], pages, {end: cache.alloc_checkpoint()}).node
+    assert cache.stats().checkpoints_cached == 3 and node.end == 24
+    below = node if use_below else None
+    assert cache.drop_checkpoints(a, [8, 12], below=below) == 1  # 12: no node ends there
+    assert cache.match_prefix(a[:9]).state_len == 0 and cache.match_prefix(a[:17]).state_len == 16
+    assert cache.drop_checkpoints(a, [16], below=below) == 1
+    assert cache.stats().checkpoints_cached == 1
+    cache.check_integrity()
