@@ -120,6 +120,11 @@ class Engine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                              f"context of {self.max_model_len} tokens")
+        pool = self.scheduler.kv_capacity_tokens
+        if len(ids) + params.max_tokens > pool:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV pool's "
+                             f"capacity of {pool} tokens: max_tokens may be at most {max(pool - len(ids), 0)} "
+                             f"for this prompt")
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
@@ -149,18 +154,21 @@ class Engine:
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One round: schedule -> run -> process; outputs of the requests that moved."""
+        """One round: schedule -> run -> process; outputs of the requests that moved, and of
+        those the scheduler ended while they waited (queue timeout)."""
         batch = self.scheduler.schedule()
+        ended = [self._output(r, None, new_token=False) for r in self.scheduler.pop_ended()]
         if batch is None:
             if self.config.debug_integrity and not self.scheduler.running:
                 self.scheduler.check_integrity()
-            return []
+            return ended
         out = self.executor.run(batch)
         changed = self.scheduler.process(batch, out)
         extras = dict(zip(map(id, batch.sampling_reqs), out.extras or []))
-        return [self._output(r, extras.get(id(r))) for r in changed]
+        return ended + [self._output(r, extras.get(id(r))) for r in changed]
 
-    def _output(self, req: Req, logprob) -> RequestOutput:
+    def _output(self, req: Req, logprob, new_token: bool = True) -> RequestOutput:
+        """req's output after this step; new_token: whether the step appended one."""
         _, detok = self.requests[req.rid]
         new_text = detok.update(req.output_ids, final=req.finished)
         if detok.stopped and not req.finished:
@@ -168,7 +176,8 @@ class Engine:
         if req.finished:
             self.requests.pop(req.rid, None)
             self.sampler.release(req.rid)
-        return RequestOutput(req.rid, req.input_ids, list(req.output_ids), detok.text, req.output_ids[-1:], new_text,
+        new_ids = req.output_ids[-1:] if new_token else []
+        return RequestOutput(req.rid, req.input_ids, list(req.output_ids), detok.text, new_ids, new_text,
                              req.finished, req.finish_reason, req.cached_tokens, [logprob] if logprob else [])
 
     def fail_inflight(self) -> list[str]:

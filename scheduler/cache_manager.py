@@ -52,9 +52,10 @@ class CacheManager:
         if slot is None:
             return False
         req.state_slot = slot
-        req.kv_hit_tokens, req.cached_tokens = m.kv_len, m.state_len
-        if self.hits:
-            self.cache.record_lookup(req.fill_len, m)
+        if not req.retractions:  # a re-admission also hits its own output: not a prompt hit
+            req.kv_hit_tokens, req.cached_tokens = m.kv_len, m.state_len
+            if self.hits:
+                self.cache.record_lookup(req.fill_len, m)
         req.branch_pos = m.branch_pos
         self.adopt(req, m)
         return True
@@ -155,7 +156,9 @@ class CacheManager:
         """How many of req's pages (a prefix of its page table) the tree owns."""
         return req.node.end // self.page_size if req.node is not None else 0
 
-    def future_pages(self, req: Req, reserve: float) -> int:
-        """Pages req may still allocate: the rest of its fill, plus `reserve` of its decode."""
-        left = req.max_new_tokens - len(req.output_ids)
-        return max(0, self.pages_for(req.fill_len + math.ceil(left * reserve)) - len(req.kv_pages))
+    def future_pages(self, req: Req, reserve: float, held: int | None = None) -> int:
+        """Pages req may still allocate beyond the `held` it has (default: its page table): the
+        rest of its fill, plus `reserve` of the new tokens it had left when admitted
+        (max_len - fill_len; the decode so far is in its pages, not taken off twice)."""
+        decode = math.ceil((req.max_len - req.fill_len) * reserve)
+        return max(0, self.pages_for(req.fill_len + decode) - (len(req.kv_pages) if held is None else held))

@@ -32,6 +32,12 @@ class SchedulerConfig:
     decode_reserve: float = field(default=1.0, metadata={
         "help": "share of each request's max_tokens whose KV pages admission reserves (1: admit only what "
                 "surely fits; lower admits more and retracts when the pool runs short)"})
+    skip_ahead_wait: float = field(default=30.0, metadata={
+        "help": "seconds a waiting request that does not fit the KV pool may be passed by later ones that do; "
+                "after that, admission holds for it until it fits (0: strict queue order)"})
+    queue_timeout: float | None = field(default=None, metadata={
+        "help": "seconds a request may wait for admission (since it was queued, or retracted) before it ends "
+                "with finish_reason queue_timeout; unset: it waits until served"})
     ttft_slo_base: float = field(default=2.0, metadata={
         "help": "TTFT deadline of a request: ttft_slo_base + ttft_slo_per_token * prompt tokens seconds"})
     ttft_slo_per_token: float = field(default=2e-4, metadata={
@@ -49,7 +55,9 @@ class SchedulerConfig:
             raise ValueError(f"decode_steps_between_prefills must be >= 0, got {self.decode_steps_between_prefills}")
         if not 0 < self.decode_reserve <= 1:
             raise ValueError(f"decode_reserve must be in (0, 1], got {self.decode_reserve}")
-        for name in ("ttft_slo_base", "ttft_slo_per_token"):
+        if self.queue_timeout is not None and self.queue_timeout <= 0:
+            raise ValueError(f"queue_timeout must be > 0 (or unset), got {self.queue_timeout}")
+        for name in ("skip_ahead_wait", "ttft_slo_base", "ttft_slo_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 

@@ -122,7 +122,7 @@ class TokenBudget(_TokenPolicy):
         self.decode_turns = 0  # decode-only rounds still owed (decode_steps_between_prefills)
 
     def plan(self, prefills: Sequence[Req], decodes: Sequence[Req], now: float) -> Plan:
-        if not prefills or self.decode_turns:
+        if not prefills or (self.decode_turns and decodes):  # owed decode turns wait for decode rows
             return Plan([], list(decodes))
         chunks = _fill_tokens(prefills, self.config.token_budget, self.g, one_partial=True)
         return Plan(chunks, list(decodes) if self.config.mixed_chunk else [])

@@ -43,12 +43,15 @@ class Req:
     rolling_ckpt: Any = None  # (pos, slot) of the latest decode checkpoint not yet in the tree
     transient_ckpts: list[int] = field(default_factory=list)  # chunk-end checkpoint positions to drop at finish
     inflight_middle_chunks: int = 0
-    cached_tokens: int = 0  # prompt tokens served from the cache (state hit) at admission
+    cached_tokens: int = 0  # prompt tokens served from the cache (state hit) at first admission
     kv_hit_tokens: int = 0
     finish_reason: str | None = None
     first_token_at: float | None = None
     token_times: list[float] = field(default_factory=list)
     retractions: int = 0
+    seniority: int | None = None  # order of first admission, kept across retractions (victims are junior)
+    queued_at: float = 0.0  # when it last entered the waiting queue (added or retracted)
+    blocked_since: float | None = None  # since when admission has found it not fitting (None: not blocked)
 
     def __post_init__(self) -> None:
         self._ids = list(self.input_ids) + list(self.output_ids)

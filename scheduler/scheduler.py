@@ -10,6 +10,7 @@ No tensor is touched here; the clock is injected, so the `sim` executor runs thi
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 from collections import deque
@@ -19,7 +20,7 @@ from scheduler.batch import Batch, Chunk, StepOutput
 from scheduler.cache_manager import CacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.cost import BatchShape, CostModel
-from scheduler.policy import scheduling_policy
+from scheduler.policy import Plan, scheduling_policy
 from scheduler.request import Req, Status
 from state_cache import CacheStats, PrefixCache
 
@@ -38,7 +39,8 @@ class Scheduler:
         self.running: list[Req] = []
         self.inflight: deque[Batch] = deque()
         self._order = itertools.count()
-        self._admitted: dict[Req, int] = {}
+        self._admitted: dict[Req, int] = {}  # running -> seniority (order of first admission)
+        self._ended: list[Req] = []  # finished here, outside process() (queue timeout): for pop_ended()
         self.counters = dict(prefill_tokens=0, decode_tokens=0, rounds=0, retractions=0)
 
     @property
@@ -65,6 +67,7 @@ class Scheduler:
         if req.deadline is None:
             req.deadline = req.arrival + self.config.ttft_slo(req.prompt_len)
         req.fill_len = req.prompt_len
+        req.queued_at = self.clock()
         self.waiting.append(req)
 
     def abort(self, req: Req) -> bool:
@@ -101,6 +104,12 @@ class Scheduler:
                 self.finish(r, "abort")
         return reqs
 
+    def pop_ended(self) -> list[Req]:
+        """Requests the scheduler finished on its own since the last call (queue timeout), for
+        the caller to report; process() returns the others."""
+        ended, self._ended = self._ended, []
+        return ended
+
     def flush_cache(self) -> None:
         """Drop everything the cache holds (RuntimeError while requests hold parts of it)."""
         self.cache.flush()
@@ -121,26 +130,14 @@ class Scheduler:
                 self._resume_from_cache(r)
         prefills = self.policy.prefill_order([r for r in prefills if r.remaining_fill > 0], self._admitted)
         plan = self.policy.plan(prefills, decodes, now)
-        placed: set[Req] = set()  # in this round: never a retraction victim
-        decodes = []
-        for r in plan.decodes:
-            if r.state_slot is not None and self._room(r, r.prefix_len + 1, placed):
-                decodes.append(r)
-                placed.add(r)
-        chunks = []
-        for pick in plan.chunks:
-            if pick.req.state_slot is None or not self._room(pick.req, pick.end, placed):
-                break
-            placed.add(pick.req)
-            chunks.append(Chunk(pick.req, pick.start, pick.end,
-                                self.cache_manager.chunk_checkpoints(pick.req, pick.start, pick.end)))
-            pick.req.extend_end = pick.end
-            pick.req.inflight_middle_chunks += pick.end < pick.req.fill_len
-        if not chunks and not decodes:
+        chunks, rows = self._place(plan)
+        if plan.chunks and not chunks and not rows:  # no planned chunk got pages: run the decode rows it left out
+            chunks, rows = self._place(self.policy.plan([], decodes, now))
+        if not chunks and not rows:
             return None
         self.policy.scheduled(bool(chunks))
-        shape = BatchShape([(c.start, c.end - c.start) for c in chunks], [r.prefix_len for r in decodes])
-        batch = Batch(chunks, decodes, shape, self.cost.step_time(shape))
+        shape = BatchShape([(c.start, c.end - c.start) for c in chunks], [r.prefix_len for r in rows])
+        batch = Batch(chunks, rows, shape, self.cost.step_time(shape))
         self.inflight.append(batch)
         self.counters["rounds"] += 1
         return batch
@@ -192,23 +189,65 @@ class Scheduler:
         elif len(r.output_ids) >= r.max_new_tokens:
             self.finish(r, "length")
 
+    def _place(self, plan: Plan) -> tuple[list[Chunk], list[Req]]:
+        """Pages for the plan's decode rows, then its chunks in order (up to the first that gets
+        none); cursors advance for the chunks placed."""
+        placed: set[Req] = set()  # in this round: never a retraction victim
+        rows = []
+        for r in plan.decodes:
+            if r.state_slot is not None and self._room(r, r.prefix_len + 1, placed):
+                rows.append(r)
+                placed.add(r)
+        chunks = []
+        for pick in plan.chunks:
+            if pick.req.state_slot is None or not self._room(pick.req, pick.end, placed):
+                break
+            placed.add(pick.req)
+            chunks.append(Chunk(pick.req, pick.start, pick.end,
+                                self.cache_manager.chunk_checkpoints(pick.req, pick.start, pick.end)))
+            pick.req.extend_end = pick.end
+            pick.req.inflight_middle_chunks += pick.end < pick.req.fill_len
+        return chunks, rows
+
     def _admit(self) -> None:
-        cm = self.cache_manager
+        """Admit waiting requests in policy order while each fits: pages for its whole remaining
+        fill plus decode_reserve x its new tokens, beside what running requests may still
+        allocate. One that does not fit is passed by later ones that do until it has been
+        blocked for skip_ahead_wait seconds; then nothing behind it is admitted before it."""
+        cm, now = self.cache_manager, self.clock()
+        self._expire(now)
         for req in self.policy.admission_order(self.waiting):
             if len(self.running) >= self.config.max_running:
                 break
             req.fill_len = len(req.all_ids)
             m = cm.match(req)
             cm.cache.lock(m.node)  # the hit pages are not ours to count as evictable
-            need = cm.pages_for(req.fill_len + req.max_new_tokens - len(req.output_ids)) - len(m.pages)
+            need = cm.future_pages(req, self.config.decode_reserve, held=len(m.pages))
             room = cm.cache.free_pages + cm.cache.evictable_pages - self._reserved()
             cm.cache.unlock(m.node)
-            if need * self.config.decode_reserve > room or not cm.admit(req, m):
-                break  # in policy order: later requests wait behind this one
+            if need > room:
+                if req.blocked_since is None:
+                    req.blocked_since = now
+                if room <= 0 or now - req.blocked_since >= self.config.skip_ahead_wait:
+                    break  # nothing fits, or it has been passed long enough: hold for it
+                continue  # skip ahead
+            if not cm.admit(req, m):
+                break  # no active slot for anyone
             self.waiting.remove(req)
-            req.status = Status.PREFILL
-            self.running.append(req)
-            self._admitted[req] = next(self._order)
+            req.status, req.blocked_since = Status.PREFILL, None
+            if req.seniority is None:
+                req.seniority = next(self._order)
+            self._admitted[req] = req.seniority
+            bisect.insort(self.running, req, key=self._admitted.__getitem__)  # seniors are placed first
+
+    def _expire(self, now: float) -> None:
+        """End the waiting requests queued longer than queue_timeout."""
+        timeout = self.config.queue_timeout
+        if timeout is None:
+            return
+        for req in [r for r in self.waiting if now - r.queued_at > timeout]:
+            self.finish(req, "queue_timeout")
+            self._ended.append(req)
 
     def _reserved(self) -> int:
         return sum(self.cache_manager.future_pages(r, self.config.decode_reserve) for r in self.running)
@@ -223,11 +262,14 @@ class Scheduler:
             self.cache_manager.adopt(r, m)
 
     def _room(self, r: Req, tokens: int, placed: set[Req]) -> bool:
-        """Pages for r's first `tokens` positions, retracting the newest idle running requests
-        (not r, not already placed in this round) while the pool is short."""
+        """Pages for r's first `tokens` positions, retracting the most junior idle running
+        requests admitted after r (not already placed in this round) while the pool is short.
+        Seniority is kept across retractions, so two requests never retract each other in turn
+        and the most senior one is never retracted."""
+        senior = self._admitted[r]
         while not self.cache_manager.ensure_pages(r, tokens):
             busy = self._busy_set()
-            victims = [v for v in self.running if v is not r and v not in placed and v not in busy]
+            victims = [v for v in self.running if self._admitted[v] > senior and v not in placed and v not in busy]
             if not victims:
                 return False
             victim = max(victims, key=self._admitted.__getitem__)
@@ -235,6 +277,7 @@ class Scheduler:
             del self._admitted[victim]
             self.cache_manager.release(victim)  # its computed prefix stays in the tree where it can
             victim.status, victim.prefix_len, victim.extend_end = Status.WAITING, 0, 0
+            victim.queued_at = self.clock()
             victim.retractions += 1
             self.counters["retractions"] += 1
             log.info("retracted %s (%d tokens computed) to make room for %s", victim.rid, len(victim.all_ids), r.rid)
