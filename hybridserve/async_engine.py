@@ -6,7 +6,12 @@
     submit(fn) -> inbox ("call") -->  fn(engine)           (-> a concurrent Future)
     per-request asyncio.Queue  <----  engine.step() outputs, one call_soon_threadsafe a step
 When nothing is unfinished the thread blocks on the inbox; a step that raises fails only
-the requests of the batch it was running and the loop goes on.
+the requests of the batch it was running, a row whose sampling raised fails only its
+request, and the loop goes on.
+
+Memory per request is bounded: the queue holds deltas (an unfinished output without the
+text and ids accumulated so far; the last one is whole), at most `backlog` of them; a
+reader that falls further behind has its request aborted and gets an EngineError.
 """
 from __future__ import annotations
 
@@ -26,24 +31,37 @@ from hybridserve.sampling import SamplingParams
 
 log = logging.getLogger("hybridserve.engine")
 STALL_WAIT_S = 0.005
+BACKLOG = 1024  # outputs a request's reader may fall behind before the request is aborted
 
 
 class EngineError(RuntimeError):
-    """A request failed inside the engine (not because of its input)."""
+    """A request failed inside the engine (not because of its input). `code` says why:
+    "engine_error" (a step or its sampling raised), "shutting_down", "slow_reader"."""
+
+    def __init__(self, message: str, code: str = "engine_error"):
+        super().__init__(message)
+        self.code = code
+
+
+FAILED = "the engine failed while running this request"
+STOPPED = "the server is shutting down; the request was not finished"
 
 
 class _Sink(NamedTuple):
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # RequestOutput | EngineError
+    queue: asyncio.Queue  # RequestOutput | EngineError; put() only from the loop
 
 
 class AsyncEngine:
     """Thread-safe front of an `Engine`. `threads` sets torch's intra-op threads on the
-    engine thread (None: leave as is)."""
+    engine thread (None: leave as is); `backlog` bounds each request's queue of outputs."""
 
-    def __init__(self, engine: Engine, threads: int | None = None):
+    def __init__(self, engine: Engine, threads: int | None = None, backlog: int = BACKLOG):
+        if backlog < 1:
+            raise ValueError(f"backlog must be >= 1, got {backlog}")
         self.engine = engine
         self.threads = threads
+        self.backlog = backlog
         self.stats: dict = engine.stats()  # snapshot, refreshed by the engine thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
@@ -68,7 +86,8 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort what is unfinished, stop the thread and join it."""
+        """Abort what is unfinished (its readers get EngineError "shutting_down"), stop the
+        thread and join it."""
         if self._thread is None or self._stopping:
             return
         self._stopping = True
@@ -101,7 +120,7 @@ class AsyncEngine:
     def _send(self, *cmd) -> Future:
         fut: Future = Future()
         if self._stopping or not self.alive:
-            fut.set_exception(EngineError("the engine is not running"))
+            fut.set_exception(EngineError("the engine is not running", "shutting_down"))
         else:
             self._inbox.put((*cmd, fut))
         return fut
@@ -163,31 +182,54 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outs = self.engine.step()
-        except Exception as e:
+        except Exception:
             log.exception("engine step failed; failing its batch")
-            self._fail_inflight(e)
+            self._fail(self.engine.fail_inflight())
             return
+        failed = self.engine.sampler.take_failures()
+        for rid, exc in failed.items():
+            log.error("sampling failed for request %s (%s: %s); failing that request", rid, type(exc).__name__, exc)
+            self.engine.abort(str(rid))
+        self._fail(failed)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for o in outs:
             sink = self._sinks.pop(o.rid, None) if o.finished else self._sinks.get(o.rid)
             if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, o))
+                by_loop.setdefault(sink.loop, []).append((sink.queue, o if o.finished else o.delta()))
         for loop, items in by_loop.items():
-            _deliver(loop, items)
+            self._deliver(loop, items)
         self.stats = self.engine.stats()
 
-    def _fail_inflight(self, exc: Exception) -> None:
-        """Fail the requests of the rounds in flight (Engine.fail_inflight frees what they
-        held) and hand each an EngineError."""
-        rids = self.engine.fail_inflight()
-        err = EngineError(f"the engine failed while running this request: {type(exc).__name__}: {exc}")
+    def _fail(self, rids) -> None:
+        """Hand each of rids (already aborted in the engine) an EngineError; the cause is in
+        the log, not in the error a client sees."""
+        err = EngineError(FAILED)
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for rid in dict.fromkeys(rids):
             sink = self._sinks.pop(rid, None)
             if sink is not None:
                 by_loop.setdefault(sink.loop, []).append((sink.queue, err))
         for loop, items in by_loop.items():
-            _deliver(loop, items)
+            self._deliver(loop, items)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        """Put (queue, item) pairs on their queues from the engine thread; a closed loop drops
+        them. An error or a last output always goes in; an unfinished output that finds
+        `backlog` items waiting is replaced by an EngineError "slow_reader" and its request
+        aborted (later ones are dropped)."""
+        def put():
+            for q, item in items:
+                if isinstance(item, Exception) or item.finished or q.qsize() < self.backlog:
+                    q.put_nowait(item)
+                elif q.qsize() == self.backlog:
+                    q.put_nowait(EngineError(f"the client fell {self.backlog} outputs behind; the request was "
+                                             "aborted", "slow_reader"))
+                    self.abort(item.rid)
+
+        try:
+            loop.call_soon_threadsafe(put)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening
 
     def _close(self) -> None:
         """Abort what is unfinished; whoever waits gets an EngineError."""
@@ -196,9 +238,9 @@ class AsyncEngine:
                 self.engine.abort(rid)
         except Exception:
             log.exception("aborting the unfinished requests failed")
-        err = EngineError("the engine was shut down")
+        err = EngineError(STOPPED, "shutting_down")
         for sink in self._sinks.values():
-            _deliver(sink.loop, [(sink.queue, err)])
+            self._deliver(sink.loop, [(sink.queue, err)])
         self._sinks.clear()
         while not self._inbox.empty():
             cmd = self._inbox.get()
@@ -231,15 +273,3 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.engine.abort(self.rid)
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:
-    """Put (queue, item) pairs on their queues from another thread; a closed loop drops them."""
-    def put():
-        for q, item in items:
-            q.put_nowait(item)
-
-    try:
-        loop.call_soon_threadsafe(put)
-    except RuntimeError:
-        pass  # the loop is closed: nobody is listening

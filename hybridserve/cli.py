@@ -7,6 +7,7 @@ booleans also take --no-...). The model is the positional argument (or --model).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ import typing
 from hybridserve.config import SECTIONS, EngineConfig
 from hybridserve.logs import LEVELS, setup_logging
 from hybridserve.sampling import SamplingParams
+from hybridserve.server_config import ServerConfig
 
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
@@ -25,19 +27,37 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine settings")
     hints = {sec: typing.get_type_hints(cls) for sec, cls in ((None, EngineConfig), *SECTIONS.items())}
     for name, (sec, f) in EngineConfig.settings().items():
-        if name == "model":
-            continue
-        kind = hints[sec][name]
-        if isinstance(kind, types.UnionType):  # X | None
-            kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        flag = "--" + name.replace("_", "-")
-        choices = f.metadata.get("choices")
-        choices = choices() if callable(choices) else choices
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f.metadata["help"])
-        else:
-            group.add_argument(flag, type=kind, default=f.default, choices=choices, help=f.metadata["help"])
+        if name != "model":
+            add_field_flag(group, f, hints[sec][name], f.default)
+
+
+def add_server_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field."""
+    group = parser.add_argument_group("server settings")
+    hints = typing.get_type_hints(ServerConfig)
+    for f in dataclasses.fields(ServerConfig):
+        add_field_flag(group, f, hints[f.name], f.default)
+
+
+def add_field_flag(group, f: dataclasses.Field, kind, default) -> None:
+    """--name-with-dashes for a dataclass field, typed by its annotation, helped by its metadata."""
+    if isinstance(kind, types.UnionType):  # X | None
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    flag = "--" + f.name.replace("_", "-")
+    choices = f.metadata.get("choices")
+    choices = choices() if callable(choices) else choices
+    if kind is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+    else:
+        group.add_argument(flag, type=kind, default=default, choices=choices, help=f.metadata["help"])
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server settings of `serve`; the API key falls back to $HYBRIDSERVE_API_KEY (read
+    here, so that --help never prints it)."""
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig)}
+    settings["api_key"] = settings["api_key"] or os.environ.get(API_KEY_ENV)
+    return ServerConfig(**settings)
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -66,12 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Run the OpenAI-compatible HTTP server (/v1/completions, "
                                        "/v1/chat/completions, /v1/models, /health, /metrics).")
     add_model_arg(serve)
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (0.0.0.0: all interfaces; then also set --api-key)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    serve.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                       help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV}; "
-                            "unset: no key)")
+    add_server_flags(serve)
     add_engine_flags(serve)
 
     gen = sub.add_parser("generate", formatter_class=fmt, parents=[common],
@@ -126,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_serve(args, config: EngineConfig) -> int:
-    from hybridserve.server import serve
+    """Serve until SIGINT / SIGTERM; the exit status is then 128 + the signal's number."""
+    from hybridserve.http_server import serve
 
-    serve(config, args.host, args.port, args.log_level, api_key=args.api_key)
-    return 0
+    return serve(config, server_config(args), args.log_level)
 
 
 def run_generate(args, config: EngineConfig) -> int:

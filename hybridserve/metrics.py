@@ -53,7 +53,7 @@ class Metrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to its last token.",
                              buckets=E2E_BUCKETS, registry=r)
         self.requests = Counter(PREFIX + "requests", "Finished requests by finish reason (stop, length, abort, "
-                                "error).", ["finish_reason"], registry=r)
+                                "error, queue_timeout).", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated for finished requests.",
                                          registry=r)

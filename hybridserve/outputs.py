@@ -1,7 +1,7 @@
 """What the engine reports per request, and the detokenizer that builds it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybridserve.sampling import find_stop
 
@@ -31,6 +31,11 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cached_tokens: int = 0
     logprobs: list[tuple[float | None, list | None]] = field(default_factory=list)  # per new token
+
+    def delta(self) -> RequestOutput:
+        """This output without what earlier steps produced (`token_ids` and `text` empty): what
+        a stream queues per step, so an unread stream holds O(tokens), not O(tokens^2)."""
+        return replace(self, token_ids=[], text="")
 
     @property
     def outputs(self) -> list[CompletionOutput]:

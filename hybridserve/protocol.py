@@ -1,10 +1,10 @@
 """OpenAI request bodies (pydantic: unknown fields allowed, wrong types rejected, strictly:
 "5" is not an integer) and what the server makes of them: the engine prompt, the
-SamplingParams, the logprobs objects of the responses."""
+SamplingParams, the logprobs objects of the responses; and the OpenAI error shape."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Mapping, cast
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -19,6 +19,22 @@ EXPECTED = {
     "content": "a string or a list of text parts",
 }
 BUILTIN_TYPES = {"str", "int", "float", "bool", "list", "dict", "none"}
+MAX_MESSAGE = 1000  # characters of an error message; the rest is cut (never echo a huge input)
+
+
+class APIError(Exception):
+    """An HTTP error in the OpenAI shape {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None):
+        if len(message) > MAX_MESSAGE:
+            message = f"{message[:MAX_MESSAGE]}... (message cut, {len(message)} characters)"
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class _Body(BaseModel):

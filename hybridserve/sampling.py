@@ -8,15 +8,17 @@ from typing import NamedTuple, Sequence
 import torch
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as vLLM): logits / t would overflow fp32
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, in the OpenAI / vLLM vocabulary.
 
-    temperature 0 is greedy; top_k <= 0 and top_p == 1 disable those filters; `seed` makes
-    a request's samples reproducible whatever it is batched with; `logprobs` = k returns the
-    sampled token's logprob and the k most likely alternatives (0: the sampled one only).
+    temperature 0 (or below 1e-5) is greedy; top_k <= 0 and top_p == 1 disable those
+    filters; `seed` makes a request's samples reproducible whatever it is batched with;
+    `logprobs` = k returns the sampled token's logprob and the k most likely alternatives
+    (0: the sampled one only).
     """
 
     max_tokens: int = 16
@@ -41,15 +43,21 @@ class SamplingParams:
         ]
         for name, ok, want in checks:
             if not ok:
-                raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be {want}, got {brief(getattr(self, name))}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise ValueError(f"stop must be non-empty strings, got {brief(self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {brief(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+
+def brief(value, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (error messages never echo a huge input)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _finite(x) -> bool:
@@ -63,14 +71,23 @@ class Sampled(NamedTuple):
 
 
 class Sampler:
-    """Samples one token per row of a logits batch; per-request generators keep seeds exact."""
+    """Samples one token per row of a logits batch; per-request generators keep seeds exact.
+
+    A row whose sampling raises fails alone: it gets its argmax token and its key lands in
+    `failures` (key -> exception) until `take_failures()`; the other rows are unaffected.
+    """
 
     def __init__(self, device: str = "cpu"):
         self.device = device
         self.generators: dict[object, torch.Generator] = {}
+        self.failures: dict[object, Exception] = {}
 
     def release(self, key) -> None:
         self.generators.pop(key, None)
+
+    def take_failures(self) -> dict[object, Exception]:
+        failures, self.failures = self.failures, {}
+        return failures
 
     def _generator(self, key, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -86,9 +103,12 @@ class Sampler:
         for i, p in enumerate(params):
             if p.greedy:
                 continue
-            row = filter_logits(logits[i] / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, -1)
-            tokens[i] = torch.multinomial(probs, 1, generator=self._generator(keys[i], p.seed))[0]
+            try:
+                row = filter_logits(logits[i] / p.temperature, p.top_k, p.top_p)
+                probs = torch.softmax(row, -1)
+                tokens[i] = torch.multinomial(probs, 1, generator=self._generator(keys[i], p.seed))[0]
+            except Exception as e:  # e.g. NaN logits: this row fails, not the batch
+                self.failures[keys[i]] = e
         toks = tokens.tolist()
         lps: list[float | None] = [None] * len(params)
         tops: list[list[tuple[int, float]] | None] = [None] * len(params)
@@ -104,7 +124,8 @@ class Sampler:
 
 
 def filter_logits(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) all but the top_k logits and the smallest set whose mass reaches top_p."""
+    """Mask (to -inf) all but the top_k logits and the smallest set whose mass reaches top_p;
+    the most likely token is always kept (a top_p that rounds to 0 in fp32 keeps just it)."""
     if top_k > 0 and top_k < row.numel():
         kth = row.topk(top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -112,6 +133,7 @@ def filter_logits(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         sorted_, idx = row.sort(descending=True)
         probs = torch.softmax(sorted_, -1)
         drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses top_p
+        drop[0] = False
         row = row.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
     return row
 

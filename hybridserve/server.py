@@ -1,75 +1,53 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics. `build_app(async_engine)` makes the FastAPI app; `serve(config, host,
-port)` builds the engine and runs it under uvicorn (SIGTERM: uvicorn's graceful shutdown,
-then the lifespan stops the engine thread).
+/health, /metrics. `build_app(async_engine, config)` makes the FastAPI app (its lifespan
+starts the engine thread and stops it); hybridserve/http_server.py runs it under uvicorn.
 
 Bad input is answered before the request runs, with a 4xx in the OpenAI error
 shape {"error": {"message", "type", "param", "code"}}; a client that goes away aborts its
-request, which frees its pages and slot.
+request, which frees its pages and slot. A request's body is read within its size limit on
+the event loop, then parsed, validated and tokenized on one worker thread (neither the
+event loop nor the engine thread waits for that); the engine thread gets token ids.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
-import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridserve.async_engine import AsyncEngine, EngineError, RequestStream
-from hybridserve.config import EngineConfig
+from hybridserve.guards import BearerAuth, HostCheck, error_response
 from hybridserve.metrics import Metrics, RequestTimer
+from hybridserve.openapi import openapi_schema, route_docs
 from hybridserve.outputs import RequestOutput
-from hybridserve.protocol import ChatRequest, CompletionRequest, SamplingRequest, describe_validation_error
+from hybridserve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, describe_validation_error
+from hybridserve.sampling import SamplingParams
+from hybridserve.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
-DEFAULT_CHAT_MAX_TOKENS = 256  # chat requests that set no max_completion_tokens / max_tokens
-GRACEFUL_SHUTDOWN_S = 10  # after SIGTERM, open streams get this long before they are cancelled
+JSON_TYPES = ("application/json",)
+QUEUE_TIMEOUT = "queue_timeout"  # the finish_reason of a request that waited past the scheduler's queue timeout
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-class BearerAuth:
-    """ASGI middleware: every /v1 route needs `Authorization: Bearer <key>` (401 otherwise);
-    /health and /metrics stay open."""
-
-    def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})(
-                    scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def build_app(engine: AsyncEngine, chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
-              api_key: str | None = None) -> FastAPI:
-    """The app serving `engine`; its lifespan starts the engine thread and stops it. With
-    `api_key`, every /v1 route requires it as a bearer token."""
+def build_app(engine: AsyncEngine, config: ServerConfig | None = None, **settings) -> FastAPI:
+    """The app serving `engine` under `config` (fields of ServerConfig may be given as
+    keywords: build_app(engine, api_key=KEY)). With an API key every /v1 route requires it
+    as a bearer token; the Host header is checked against `config.host_names`."""
+    config = dataclasses.replace(config or ServerConfig(), **settings)
     metrics = Metrics(lambda: engine.stats)
     names = {engine.model_name, engine.engine.config.model}
+    worker = ThreadPoolExecutor(1, thread_name_prefix="hybridserve-parse")  # one: tokenizers are not reentrant
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -77,73 +55,84 @@ def build_app(engine: AsyncEngine, chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKEN
             engine.start()
         yield
         await asyncio.to_thread(engine.shutdown)
+        worker.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="hybridserve", lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
-    if api_key:
-        app.add_middleware(BearerAuth, key=api_key)
+    app = FastAPI(title="hybridserve", lifespan=lifespan, docs_url="/docs" if config.docs else None, redoc_url=None)
+    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
+    if config.api_key:
+        app.add_middleware(BearerAuth, key=config.api_key)
+    if config.host_names is not None:
+        app.add_middleware(HostCheck, names=config.host_names)
 
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(APIError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+        return error_response(APIError(e.status_code, str(e.detail), code=code, headers=e.headers))
 
     @app.exception_handler(Exception)
-    async def _server_error(_req, e: Exception):
-        err = APIError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error")
-        return JSONResponse(err.body(), status_code=500)
+    async def _server_error(_req, e: Exception):  # logged with its traceback by the server, not echoed
+        return error_response(APIError(500, "internal server error", kind="server_error", code="internal_error"))
 
-    @app.get("/health")
+    @app.get("/health", **route_docs("health"))
     async def health():
         if not engine.alive:
-            raise APIError(503, "the engine thread is not running", kind="server_error")
+            raise APIError(503, "the engine thread is not running", kind="server_error", code="engine_not_running")
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, **route_docs("metrics"))
     async def prometheus():
         body, ctype = metrics.render()
         return Response(body, media_type=ctype)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **route_docs("models"))
     async def models():
         e = engine.engine
         return {"object": "list", "data": [{"id": e.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "hybridserve", "max_model_len": e.max_model_len}]}
 
-    async def respond(raw: Request, model: type[SamplingRequest]):
-        timer = metrics.request()
-        req = await parse(raw, model)
+    def prepare(body: bytes, model: type[SamplingRequest]) -> tuple[SamplingRequest, SamplingParams, list[int]]:
+        """On the worker: the request, its sampling and its prompt's token ids (APIError or
+        ValueError for bad input)."""
+        req = decode(body, model)
         if req.model is not None and req.model not in names:
             raise APIError(404, f"model: {req.model!r} does not exist; this server serves {engine.model_name!r}",
                            "model", "model_not_found")
-        rid = f"{req.id_prefix}-{uuid.uuid4().hex}"
-        tok = engine.engine.tokenizer
+        params = req.sampling_params(config.chat_max_tokens)
+        return req, params, engine.engine.validate(req.engine_prompt(engine.engine.tokenizer), params)
+
+    async def respond(raw: Request, model: type[SamplingRequest]):
+        timer = metrics.request()
+        body = await read_body(raw, config.max_body_bytes)
+        rid = f"{model.id_prefix}-{uuid.uuid4().hex}"
         try:
-            prompt = req.engine_prompt(tok)
-            params = req.sampling_params(chat_max_tokens)
-            run = Run(await engine.add(prompt, params, rid), timer)
+            req, params, ids = await asyncio.get_running_loop().run_in_executor(worker, prepare, body, model)
+            run = Run(await engine.add(ids, params, rid), timer)
         except ValueError as e:
             raise APIError(400, str(e), param_of(str(e), model)) from None
         except EngineError as e:
-            raise APIError(503, str(e), kind="server_error") from None
+            raise APIError(503, str(e), kind="server_error", code=e.code) from None
+        tok = engine.engine.tokenizer
         head = {"id": rid, "object": req.chunk_object_name if req.stream else req.object_name,
                 "created": int(time.time()), "model": engine.model_name}
         if req.stream:
             return sse(run, req, head, tok)
         outs = await run.collect(raw)
-        lp = req.format_logprobs(tok, *outs) if req.wants_logprobs else None
         last = outs[-1]
+        if last.finish_reason == QUEUE_TIMEOUT:
+            raise queue_timeout()
+        lp = req.format_logprobs(tok, *outs) if req.wants_logprobs else None
         return {**head, "choices": [req.choice(last.text, last.finish_reason, lp)], "usage": last.usage}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **route_docs("completions"))
     async def completions(raw: Request):
         return await respond(raw, CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **route_docs("chat"))
     async def chat(raw: Request):
         return await respond(raw, ChatRequest)
 
@@ -181,7 +170,7 @@ class Run:
                 raise APIError(499, "the client closed the connection", kind="client_closed")
             return work.result()
         except EngineError as e:
-            raise APIError(500, str(e), kind="server_error") from None
+            raise engine_error(e) from None
         finally:
             gone.cancel()
             self.close()
@@ -212,11 +201,15 @@ class SSEResponse(StreamingResponse):
 
 def sse(run: Run, req: SamplingRequest, head: dict, tokenizer) -> SSEResponse:
     """`data: {json}` chunks (one per output that adds text or logprobs, and the last), the
-    usage chunk if asked, then `data: [DONE]`; a failure becomes an error event."""
+    usage chunk if asked, then `data: [DONE]`; a failure (the engine's, a queue timeout, a
+    shutdown) becomes an error event before the `[DONE]`."""
     async def events():
         first = True
         try:
             async for out in run.outputs():
+                if out.finish_reason == QUEUE_TIMEOUT:
+                    yield event(queue_timeout().body())
+                    break
                 text = out.new_text
                 lp = req.format_logprobs(tokenizer, out) if req.wants_logprobs else None
                 if first or text or lp or out.finished:
@@ -225,10 +218,25 @@ def sse(run: Run, req: SamplingRequest, head: dict, tokenizer) -> SSEResponse:
                 if out.finished and req.include_usage:
                     yield event({**head, "choices": [], "usage": out.usage})
         except EngineError as e:
-            yield event(APIError(500, str(e), kind="server_error").body())
+            yield event(engine_error(e).body())
+        except Exception:  # a bug here: the client still gets an error event and [DONE]
+            log.exception("stream %s failed", head["id"])
+            yield event(APIError(500, "internal server error", kind="server_error", code="internal_error").body())
         yield "data: [DONE]\n\n"
 
     return SSEResponse(events(), run.close)
+
+
+def engine_error(e: EngineError) -> APIError:
+    """500 for a failure inside the engine (its cause is in the log), 503 when the server is
+    shutting down, 408 for a reader too slow to keep up (streams only)."""
+    status = {"shutting_down": 503, "slow_reader": 408}.get(e.code, 500)
+    return APIError(status, str(e), kind="server_error", code=e.code)
+
+
+def queue_timeout() -> APIError:
+    return APIError(503, "the request waited longer than the queue timeout before it could be scheduled; retry "
+                    "later", kind="server_error", code=QUEUE_TIMEOUT)
 
 
 async def disconnected(raw: Request) -> None:
@@ -241,11 +249,34 @@ def event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def parse(raw: Request, model: type[SamplingRequest]) -> SamplingRequest:
+async def read_body(raw: Request, limit: int) -> bytes:
+    """The body of a JSON request: 415 unless its Content-Type is JSON; 413 if its
+    Content-Length, or what arrives of it, exceeds `limit` bytes (the rest is not read)."""
+    ctype = raw.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in JSON_TYPES:
+        raise APIError(415, f"Content-Type: must be application/json, got {ctype or 'none'!r}",
+                       code="unsupported_media_type")
+    too_big = APIError(413, f"request body: larger than the limit of {limit} bytes (see --max-body-mb)",
+                       code="body_too_large")
+    length = raw.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:  # h11 has checked its form
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def decode(body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
     try:
-        data = json.loads(await raw.body())
+        data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}", code="json_invalid") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", code="json_invalid") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body: must be a JSON object, got {type(data).__name__}")
     try:
@@ -253,6 +284,8 @@ async def parse(raw: Request, model: type[SamplingRequest]) -> SamplingRequest:
     except ValidationError as e:
         param, message = describe_validation_error(e)
         raise APIError(400, message, param) from None
+    except RecursionError:
+        raise APIError(400, "request body: nested too deeply") from None
 
 
 def param_of(message: str, model) -> str | None:
@@ -262,16 +295,3 @@ def param_of(message: str, model) -> str | None:
         if word in fields:
             return word
     return None
-
-
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          api_key: str | None = None) -> None:
-    """Build the engine from `config` and serve it until SIGINT / SIGTERM."""
-    import uvicorn
-
-    from hybridserve.engine import Engine
-
-    app = build_app(AsyncEngine(Engine(config)), api_key=api_key)
-    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without --api-key: anyone who can reach this address can use the server", host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

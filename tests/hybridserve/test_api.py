@@ -153,21 +153,25 @@ def test_no_calibration_for_policies_that_ignore_the_cost_model(kimi_path, monke
 
 
 @pytest.mark.parametrize("key_from", ["flag", "env"])
-def test_api_key_guards_v1_routes(profile, monkeypatch, key_from):
-    """With an API key (flag or HYBRIDSERVE_API_KEY) every /v1 route answers 401 in the OpenAI
-    error shape without `Authorization: Bearer <key>` or with a wrong one; /health stays open."""
-    from hybridserve.cli import build_parser
+def test_api_key_guards_v1_routes(profile, monkeypatch, capsys, key_from):
+    """With an API key (flag or HYBRIDSERVE_API_KEY, which --help never prints) every /v1 route
+    answers 401 in the OpenAI error shape without `Authorization: Bearer <key>` or with a wrong
+    one; /health stays open."""
+    from hybridserve.cli import build_parser, server_config
 
     if key_from == "env":
         monkeypatch.setenv("HYBRIDSERVE_API_KEY", "s3cret")
-        key = build_parser().parse_args(["serve"]).api_key
+        key = server_config(build_parser().parse_args(["serve"])).api_key
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--help"])
+        assert "s3cret" not in capsys.readouterr().out  # --help never prints the key
     else:
-        key = build_parser().parse_args(["serve", "--api-key", "s3cret"]).api_key
+        key = server_config(build_parser().parse_args(["serve", "--api-key", "s3cret"])).api_key
     assert key == "s3cret"
     engine = AsyncEngine(Engine(cost_profile=profile, memory_gb=0.25, max_running=4))
     app = build_app(engine, api_key=key)
     body = {"prompt": "hi", "max_tokens": 2}
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://localhost") as client:
         assert client.get("/health").status_code == 200
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "s3cret"}):
             r = client.get("/v1/models", headers=headers)

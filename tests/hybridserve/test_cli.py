@@ -161,6 +161,7 @@ def test_calibrate_writes_a_profile(capsys, tmp_path, monkeypatch):
     """`calibrate` times forwards, writes a profile that CostModel.load accepts and prints every coefficient."""
     monkeypatch.setattr(calibrate_module, "PREFILLS", [[(0, 64)], [(0, 128)], [(64, 64)]])
     monkeypatch.setattr(calibrate_module, "DECODES", [[64], [64] * 4])
+    monkeypatch.setattr(calibrate_module, "long_context", lambda max_context: [])
     out_path = tmp_path / "fitted.json"
     assert main(["calibrate", "--output", str(out_path), *SMALL]) == 0
     printed = capsys.readouterr().out
@@ -172,7 +173,7 @@ def test_calibrate_writes_a_profile(capsys, tmp_path, monkeypatch):
 
 def test_serve_answers_then_exits_on_sigterm(profile, tmp_path):
     """`hybridserve serve` answers HTTP on its port; on SIGTERM it runs the lifespan shutdown (the
-    engine thread is stopped and joined) and exits with SIGTERM's status, as uvicorn re-raises it."""
+    engine thread is stopped and joined) and exits with status 128 + SIGTERM."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -195,7 +196,7 @@ def test_serve_answers_then_exits_on_sigterm(profile, tmp_path):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -203,3 +204,14 @@ def test_serve_answers_then_exits_on_sigterm(profile, tmp_path):
     log.seek(0)
     text = log.read()
     assert "Application shutdown complete" in text and "Traceback" not in text, text
+
+
+def test_calibration_reaches_the_served_context():
+    """Without `quick`, calibration times attention over prefixes up to max_context (the
+    per-pair cost grows once the prefix outgrows the caches), and never beyond it."""
+    shapes = calibrate_module.long_context(16384)
+    assert ((15360, 1024),) in [tuple(s.prefill) for s in shapes]
+    assert ((0, 16384),) in [tuple(s.prefill) for s in shapes]
+    small = calibrate_module.long_context(4096)
+    assert max(p + e for s in small for p, e in s.prefill) == 4096
+    assert max(c for s in small for c in s.decode) == 4096

@@ -356,8 +356,8 @@ def test_disconnect_aborts_and_frees(srv, streaming):
 
 
 def test_failing_step_fails_its_batch_only(srv):
-    """A forward that raises fails the requests of its batch (5xx, server_error) and frees them;
-    the next requests are served normally."""
+    """A forward that raises fails the requests of its batch (5xx, server_error, no exception
+    text) and frees them; the next requests are served normally."""
     def arm(engine):
         real = engine.executor.run
 
@@ -369,7 +369,7 @@ def test_failing_step_fails_its_batch_only(srv):
     on_engine(srv, arm)
     r = srv.http.post("/v1/completions", json={"prompt": "fault", "max_tokens": 4, **GREEDY})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    assert "injected fault" in r.json()["error"]["message"]
+    assert "injected fault" not in r.json()["error"]["message"]  # the cause is logged, not echoed
     wait_idle(srv)
     on_engine(srv, assert_pools_clean)
     assert complete(srv, "after the fault", max_tokens=3, **GREEDY)["usage"]["completion_tokens"] == 3
