@@ -16,7 +16,7 @@ import argparse
 import json
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.ttft_1m import RESULTS, Setting, knobs, measure, scheduler_config, simulate_study
@@ -116,9 +116,8 @@ def calibrate_here(path: Path, max_context: int, repeats: int = 3) -> CostModel:
 
     e = Engine()
     cost = calibrate(e.model, e.model_config, e.memory, e.cache, repeats=repeats, max_context=max_context)
-    cost = CostModel(**{**{k: getattr(cost, k) for k in ("c0", "c_tok", "c_attn", "c_dec_attn", "c_serial",
-                                                            "c_dec", "chunk", "attn_layers")},
-                        "meta": {**cost.meta, "how": "benchmarks.ttft_1m --validate, calibrated before the runs"}})
+    cost = replace(cost, meta={**cost.meta, "how": "benchmarks.ttft_1m --validate, calibrated before "
+                                                            "the runs"})
     cost.to_json(path)
     return cost
 

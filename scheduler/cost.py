@@ -2,6 +2,7 @@
 
     t = c0 + c_tok * tokens
            + c_attn * attn_layers * sum_prefill(extend * (prefix + extend / 2))
+           + c_prefix * attn_layers * sum_prefill(prefix)
            + c_dec_attn * attn_layers * sum_decode(context)
            + c_serial * max_prefill(ceil(extend / chunk))
            + c_dec * decode_rows
@@ -10,7 +11,9 @@
 `chunk`-token steps, one after the other, so a segment of E tokens costs ceil(E / chunk)
 steps of wall time however few tokens each holds, and a batch costs its longest segment's
 steps (segments run side by side). Decode attention reads the whole context once per row
-(memory-bound), so it has its own coefficient rather than sharing the prefill one.
+(memory-bound), so it has its own coefficient rather than sharing the prefill one; a prefill
+segment also reads its cached prefix once (`c_prefix`), which a short chunk at a long prefix
+(the serial policies late in a long prompt) pays on top of its query-key pairs.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
 PROFILES = Path(__file__).parent / "profiles"
-COEFFS = ("c0", "c_tok", "c_attn", "c_dec_attn", "c_serial", "c_dec")
+COEFFS = ("c0", "c_tok", "c_attn", "c_prefix", "c_dec_attn", "c_serial", "c_dec")
 
 
 class BatchShape(NamedTuple):
@@ -41,6 +44,7 @@ class CostModel:
     c0: float = 0.0
     c_tok: float = 0.0
     c_attn: float = 0.0
+    c_prefix: float = 0.0
     c_dec_attn: float = 0.0
     c_serial: float = 0.0
     c_dec: float = 0.0
@@ -61,9 +65,10 @@ class CostModel:
     def features(self, shape: BatchShape) -> list[float]:
         """The regressors of `step_time`, in COEFFS order."""
         attn = sum(e * (p + e / 2) for p, e in shape.prefill) * self.attn_layers
+        prefix = sum(p for p, _ in shape.prefill) * self.attn_layers
         dec_attn = sum(shape.decode) * self.attn_layers
         serial = max((math.ceil(e / self.chunk) for _, e in shape.prefill), default=0)
-        return [1.0, shape.tokens, attn, dec_attn, serial, len(shape.decode)]
+        return [1.0, shape.tokens, attn, prefix, dec_attn, serial, len(shape.decode)]
 
     def step_time(self, shape: BatchShape) -> float:
         """Predicted seconds for one forward of a batch of this shape (0 for an empty batch)."""

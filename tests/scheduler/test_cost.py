@@ -29,8 +29,8 @@ def test_attention_and_decode_terms():
 
 def test_fit_recovers_coefficients():
     """Least squares on timed forwards recovers the generating coefficients within 2%."""
-    truth = CostModel(c0=2e-3, c_tok=2e-5, c_attn=3e-10, c_dec_attn=4e-9, c_serial=1.5e-4, c_dec=5e-5,
-                      attn_layers=2)
+    truth = CostModel(c0=2e-3, c_tok=2e-5, c_attn=3e-10, c_prefix=3e-8, c_dec_attn=4e-9, c_serial=1.5e-4,
+                      c_dec=5e-5, attn_layers=2)
     rng = random.Random(0)
     samples = []
     for _ in range(300):
