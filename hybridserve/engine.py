@@ -189,6 +189,19 @@ class Engine:
             self.abort(rid)
         return rids
 
+    def audit(self) -> dict:
+        """When idle: flush the cache, check every pool's integrity (IntegrityError names what
+        is wrong) and count what is still held, which is a leak: every count must be 0.
+        RuntimeError while requests are in the engine."""
+        if self.scheduler.has_work():
+            raise RuntimeError("requests are in the engine: audit only when idle")
+        self.scheduler.flush_cache()
+        self.scheduler.check_integrity()
+        kv, st = self.cache.kv_pool, self.cache.state_pool
+        return {"kv_pages_held": kv.num_pages - kv.num_free,
+                "active_slots_held": st.num_active - st.num_free_active,
+                "checkpoint_slots_held": st.num_checkpoints - st.num_free_checkpoints}
+
     def stats(self) -> dict:
         """Counters and pool usage for metrics."""
         s = self.scheduler

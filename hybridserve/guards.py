@@ -40,15 +40,18 @@ def host_name(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
+GUARDED = ("/v1", "/debug/")  # path prefixes that need the key (/v1 itself included)
+
+
 class BearerAuth:
-    """Every /v1 route needs `Authorization: Bearer <key>` (401 otherwise); /health and
-    /metrics stay open."""
+    """Every /v1 and /debug route needs `Authorization: Bearer <key>` (401 otherwise);
+    /health and /metrics stay open."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",

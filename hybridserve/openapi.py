@@ -61,8 +61,9 @@ WHY = {  # status -> when a route answers it
     404: "unknown model",
     408: "a stream's reader fell too far behind",
     413: "request body over the size limit",
+    409: "requests are running (the audit needs an idle engine)",
     415: "Content-Type is not application/json",
-    500: "the engine failed while running the request",
+    500: "the engine failed while running the request (audit: a pool failed its integrity check)",
     503: "the engine is not running, the server is shutting down, or the request waited past the queue timeout",
 }
 
@@ -94,6 +95,11 @@ ROUTES = {
     "health": {"summary": "Liveness of the engine thread", "responses": {
         200: {"description": "the engine runs", "content": {"application/json": {"schema": _ref("Health")}}},
         **_errors(400, 503)}},
+    "audit": {"summary": "Debug (--debug-integrity): flush the cache, check every pool, count what is held",
+              "responses": {200: {"description": "what is still held after the flush (all 0: no leak)",
+                                  "content": {"application/json": {"schema": {
+                                      "type": "object", "additionalProperties": INT}}}},
+                            **_errors(401, 409, 500)}},
     "metrics": {"summary": "Prometheus metrics", "responses": {
         200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": STRING}}},
         **_errors(400)}},

@@ -34,6 +34,7 @@ from hybridserve.outputs import RequestOutput
 from hybridserve.protocol import APIError, ChatRequest, CompletionRequest, SamplingRequest, describe_validation_error
 from hybridserve.sampling import SamplingParams
 from hybridserve.server_config import ServerConfig
+from state_cache import IntegrityError
 
 log = logging.getLogger(__name__)
 JSON_TYPES = ("application/json",)
@@ -83,6 +84,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, **setting
         if not engine.alive:
             raise APIError(503, "the engine thread is not running", kind="server_error", code="engine_not_running")
         return {"status": "ok"}
+
+    if engine.engine.config.debug_integrity:
+        @app.post("/debug/audit", **route_docs("audit"))
+        async def audit():
+            """Flush the cache, check every pool and count what is still held (all 0: no leak);
+            409 while requests run. Only with --debug-integrity."""
+            try:
+                return await asyncio.wrap_future(engine.submit(lambda e: e.audit()))
+            except IntegrityError as err:  # a debug route: say what broke
+                raise APIError(500, f"integrity check failed: {err}", kind="server_error",
+                               code="integrity_error") from err
+            except RuntimeError as err:
+                raise APIError(409, str(err), kind="invalid_request_error", code="busy") from err
 
     @app.get("/metrics", response_class=PlainTextResponse, **route_docs("metrics"))
     async def prometheus():
