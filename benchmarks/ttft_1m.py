@@ -33,7 +33,8 @@ from scheduler import Batch, BatchShape, CostModel, Req, Scheduler, SchedulerCon
 from state_cache import CacheConfig, KVPool, PrefillFlops, StatePool, StateRadixCache
 
 RESULTS = Path(__file__).parent / "results"
-RELEASES = (2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+# release amounts: 2K, 3K, 4K, 6K, .. 256K (x1.5 / x1.33 steps, so no policy's curve is sampled too coarsely)
+RELEASES = tuple(sorted(m << k for k in range(10, 19) for m in (1, 3) if 2048 <= m << k <= 1 << 18))
 CUTS = ("aligned", "arbitrary", "arbitrary-replay")
 # prefill FLOPs of Kimi-Linear-48B: 6 GFLOP per token + 7 MLA layers x 20.5 kFLOP per (query, key) pair
 KIMI_FLOPS = PrefillFlops(6e9, 7 * 2 * 32 * (192 + 128) / 2)

@@ -260,7 +260,8 @@ def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: fl
 
     The prefill work left, W = c_tok * rest + c_attn * layers * (fill^2 - start^2) / 2 +
     c_serial * rest / chunk, does not depend on the cuts. Rounds of length tau spend `base`
-    on the rest of the batch and tau - base on r, so finishing takes W * tau / (tau - base):
+    on the rest of the batch and on reading r's prefix, and tau - base on r's work, so
+    finishing takes W * tau / (tau - base):
     tau = base * left / (left - W) meets the deadline, less one round of slack. The slack is
     a round of the length being chosen (a fixed point, from `target`), not of max_step: a
     short deadline would otherwise lose a tenth of its time to slack and double the decode
@@ -270,7 +271,9 @@ def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: fl
     start, fill = r.extend_end, r.fill_len
     work = (cost.c_tok * (fill - start) + cost.c_attn * cost.attn_layers * (fill * fill - start * start) / 2
             + cost.c_serial * cost.serial_steps(fill - start))
-    base = base or cost.c0
+    # each round r is in also reads r's cached prefix: a per-round cost, priced at the mean
+    # prefix of the rounds left, like the rest of the batch
+    base = (base or cost.c0) + cost.c_prefix * cost.attn_layers * (start + fill) / 2
     tau = max(target, base)
     for _ in range(4):  # converges in two or three: tau is small against the time left
         left = _deadline(r) - now - tau  # one round of slack
