@@ -303,8 +303,9 @@ def decode(body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
 
 
 def param_of(message: str, model) -> str | None:
-    """The request field a message names, if any: max_tokens when it is one of them (a prompt
-    too long for its max_tokens is fixed by lowering max_tokens), else the first."""
+    """The first request field a message names, if any."""
     fields = set(model.model_fields) | {"prompt"}  # the engine says "prompt" for chat messages too
-    named = [w for w in re.findall(r"[A-Za-z_]+", message) if w in fields]
-    return "max_tokens" if "max_tokens" in named else next(iter(named), None)
+    for word in re.findall(r"[A-Za-z_]+", message):
+        if word in fields:
+            return word
+    return None
