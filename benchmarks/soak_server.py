@@ -14,14 +14,32 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(proc: subprocess.Popen, url: str, timeout: float, log: object = "its log") -> None:
+    """Return once the server process answers GET /health with 200; RuntimeError if it exits
+    or `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not come up; see {log}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
 class ServerProcess:
     """`python -m hybridserve serve` on a free loopback port, its output in `log`."""
 
     def __init__(self, flags: list[str], log: Path):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
+        self.port = free_port()
         self.url, self.log = f"http://127.0.0.1:{self.port}", log
         self.cmd = [sys.executable, "-m", "hybridserve", "serve", "--port", str(self.port), *flags]
         self.proc: subprocess.Popen | None = None
@@ -31,15 +49,7 @@ class ServerProcess:
         env = {"OMP_NUM_THREADS": "1", **os.environ}
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(self.cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not come up; see {self.log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_up(self.proc, self.url, timeout, self.log)
 
     def metrics(self) -> dict[str, float]:
         out = {}

@@ -102,12 +102,19 @@ class Recorder(SimExecutor):
 
     def run(self, batch: Batch) -> StepOutput:
         out = super().run(batch)
-        mine = [c for c in batch.chunks if c.req is self.long]
-        if mine and out.elapsed > 0:
-            rest = [(c.start, c.end - c.start) for c in batch.chunks if c.req is not self.long]
-            share = 1 - self.cost.step_time(BatchShape(rest, batch.shape.decode)) / out.elapsed
-            self.chunks += [(c.start, c.end, share) for c in mine]
+        self.chunks += long_chunks(batch, self.long, self.cost, out.elapsed)
         return out
+
+
+def long_chunks(batch: Batch, long: Req, cost: CostModel, seconds: float) -> list[tuple[int, int, float]]:
+    """(start, end, share of the round's `seconds`) of long's chunks in batch: the share is
+    what the round would have cost less without them, by the cost model."""
+    mine = [c for c in batch.chunks if c.req is long]
+    if not mine or seconds <= 0:
+        return []
+    rest = BatchShape([(c.start, c.end - c.start) for c in batch.chunks if c.req is not long], batch.shape.decode)
+    share = 1 - cost.step_time(rest) / seconds
+    return [(c.start, c.end, share) for c in mine]
 
 
 Job = tuple[str, str, int, str, Setting]  # (study, policy, release, cuts, setting)

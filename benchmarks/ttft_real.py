@@ -19,8 +19,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from benchmarks.ttft_1m import RESULTS, Setting, knobs, measure, scheduler_config, simulate_study
-from scheduler import BatchShape, CostModel
+from benchmarks.ttft_1m import RESULTS, Setting, knobs, long_chunks, measure, scheduler_config, simulate_study
+from scheduler import CostModel
 from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache
 
 POLICIES = ("budget", "serial+deadline")
@@ -77,9 +77,7 @@ def real_point(s: Setting, cost: CostModel, profile: str, policy: str, release: 
         host += time.perf_counter() - t1 - out.elapsed
         runner += out.elapsed
         predicted += batch.predicted
-        mine = [c for c in batch.chunks if c.req is long]
-        rest = BatchShape([(c.start, c.end - c.start) for c in batch.chunks if c.req is not long], batch.shape.decode)
-        chunks += [(c.start, c.end, 1 - cost.step_time(rest) / batch.predicted) for c in mine]
+        chunks += long_chunks(batch, long, cost, batch.predicted)
     wall = time.perf_counter() - t0
     if any(r.finished for r in streams):
         raise RuntimeError("a stream finished before the long prompt's first token: raise decode_tokens")

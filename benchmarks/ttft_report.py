@@ -27,20 +27,13 @@ def setting_line(r: dict) -> str:
             f"({r['slo_factor']} x the one-shot prefill), ITL p99 target {r['itl_slo'] * 1000:.0f} ms")
 
 
-def table(rows: list[dict], cut_columns: bool = False) -> list[str]:
-    head = "| policy | R | TTFT (s) | met | ITL p50 (ms) | p99 (ms) | max (ms) | long's share | rounds | mean chunk |"
-    sep = "|---|---|---|---|---|---|---|---|---|---|"
-    if cut_columns:
-        head += " cuts | replayed FLOPs | checkpointable cuts |"
-        sep += "---|---|---|"
-    out = [head, sep]
+def table(rows: list[dict]) -> list[str]:
+    out = ["| policy | R | TTFT (s) | met | ITL p50 (ms) | p99 (ms) | max (ms) | long's share | rounds | mean chunk |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        line = (f"| {r['policy']} | {kt(r['release'])} | {r['ttft_s']:.1f} | {'yes' if r['deadline_met'] else 'no'} "
-                f"| {r['itl_p50_s'] * 1e3:.0f} | {r['itl_p99_s'] * 1e3:.0f} | {r['itl_max_s'] * 1e3:.0f} "
-                f"| {r['long_share_mean']:.0%} | {r['rounds']} | {r['release_mean']:.0f} |")
-        if cut_columns:
-            line += f" {r['cuts']} | {r['wasted_share']:.2%} | {r['checkpointable_cuts']:.0%} |"
-        out.append(line)
+        out.append(f"| {r['policy']} | {kt(r['release'])} | {r['ttft_s']:.1f} | {'yes' if r['deadline_met'] else 'no'} "
+                   f"| {r['itl_p50_s'] * 1e3:.0f} | {r['itl_p99_s'] * 1e3:.0f} | {r['itl_max_s'] * 1e3:.0f} "
+                   f"| {r['long_share_mean']:.0%} | {r['rounds']} | {r['release_mean']:.0f} |")
     return out
 
 
@@ -89,10 +82,8 @@ def report(rows: list[dict], md: Path, out_dir: Path) -> str:
              "Every number here is a simulation: the engine's Scheduler and StateRadixCache on the `sim` "
              "executor, whose clock advances by the cost profile's predicted step times. "
              "Regenerate with `python -m benchmarks.ttft_1m`.", ""]
-    for study in studies:
-        part = [r for r in rows if r["study"] == study and (study != "cuts")]
-        if not part:
-            continue
+    for study in (s for s in studies if s != "cuts"):
+        part = [r for r in rows if r["study"] == study]
         b = best(part)
         lines += [f"## {study}", "", setting_line(part[0]), "",
                   f"Best trade-off point: **{describe(b)}**: TTFT {b['ttft_s']:.1f} s "

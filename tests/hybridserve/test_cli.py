@@ -6,14 +6,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
+from benchmarks.soak_server import free_port, wait_up
 from hybridserve import LLM, SamplingParams
 from hybridserve import calibrate as calibrate_module
 from hybridserve.cli import build_parser, engine_config, main
@@ -174,10 +173,7 @@ def test_calibrate_writes_a_profile(capsys, tmp_path, monkeypatch):
 def test_serve_answers_then_exits_on_sigterm(profile, tmp_path):
     """`hybridserve serve` answers HTTP on its port; on SIGTERM it runs the lifespan shutdown (the
     engine thread is stopped and joined) and exits with status 128 + SIGTERM."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     exe = shutil.which("hybridserve") or os.path.join(os.path.dirname(sys.executable), "hybridserve")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "serve.log", "w+")
@@ -185,14 +181,7 @@ def test_serve_answers_then_exits_on_sigterm(profile, tmp_path):
                              *SMALL], env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_up(proc, url, 90, log.name)
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2
         proc.send_signal(signal.SIGTERM)

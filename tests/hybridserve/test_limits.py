@@ -28,7 +28,7 @@ from hybridserve.protocol import MAX_MESSAGE
 from hybridserve.sampling import Sampler, SamplingParams
 from hybridserve.server import build_app
 from hybridserve.server_config import ServerConfig
-from tests.hybridserve.test_server import PROFILE, assert_pools_clean
+from tests.hybridserve.test_server import PROFILE, assert_pools_clean, fail_next_forward, on_engine
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 LIMITS = ServerConfig(max_body_mb=16 / 1024, max_connections=6, request_timeout_s=1.5,
@@ -57,10 +57,6 @@ def live(tmp_path_factory):
         yield SimpleNamespace(port=port, ae=ae, engine=engine, http=client)
     server.should_exit = True
     thread.join(30)
-
-
-def on_engine(live, fn):
-    return live.ae.submit(fn).result(30)
 
 
 def wait_idle(live, timeout=20.0) -> None:
@@ -357,15 +353,7 @@ def test_405_carries_allow(live):
 
 def test_500_does_not_echo_the_exception(live):
     """A failing forward is a 500 with a generic message; the exception text stays in the log."""
-    def arm(engine):
-        real = engine.executor.run
-
-        def broken(batch):
-            engine.executor.run = real
-            raise RuntimeError("secret detail /etc/passwd")
-        engine.executor.run = broken
-
-    on_engine(live, arm)
+    on_engine(live, fail_next_forward("secret detail /etc/passwd"))
     err = error_of(post(live, {"prompt": "fault", "max_tokens": 4, **GREEDY}), 500)
     assert err["type"] == "server_error" and err["code"] == "engine_error" and "secret" not in err["message"]
     wait_idle(live)

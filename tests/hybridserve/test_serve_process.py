@@ -14,15 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from benchmarks.soak_server import free_port, wait_up
+
 PROFILE = {"c0": 0.01, "c_tok": 1e-4, "c_serial": 1e-3, "c_dec": 1e-3}
 LONG = {"prompt": "a long answer", "max_tokens": 20_000, "temperature": 0, "ignore_eos": True}
 GRACE_S = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(tmp_path, *flags: str, nofile: int | None = None) -> tuple[subprocess.Popen, str, object]:
@@ -38,14 +34,8 @@ def start(tmp_path, *flags: str, nofile: int | None = None) -> tuple[subprocess.
         cmd = ["bash", "-c", f'ulimit -n {nofile} && exec "$@"', "serve", *cmd]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            time.sleep(0.2)
+    wait_up(proc, url, 90, log.name)
+    return proc, url, log
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -355,25 +355,29 @@ def test_disconnect_aborts_and_frees(srv, streaming):
     assert scrape(srv)['hybridserve_requests_total{finish_reason="abort"}'] == aborted + 1
 
 
-def test_failing_step_fails_its_batch_only(srv):
-    """A forward that raises fails the requests of its batch (5xx, server_error, no exception
-    text) and frees them; the next requests are served normally."""
+def fail_next_forward(message: str):
+    """A function to run on the engine thread: the next forward raises RuntimeError(message)."""
     def arm(engine):
         real = engine.executor.run
 
         def broken(batch):
             engine.executor.run = real
-            raise RuntimeError("injected fault")
+            raise RuntimeError(message)
         engine.executor.run = broken
+    return arm
 
-    on_engine(srv, arm)
+
+def test_failing_step_fails_its_batch_only(srv):
+    """A forward that raises fails the requests of its batch (5xx, server_error, no exception
+    text) and frees them; the next requests are served normally."""
+    on_engine(srv, fail_next_forward("injected fault"))
     r = srv.http.post("/v1/completions", json={"prompt": "fault", "max_tokens": 4, **GREEDY})
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "injected fault" not in r.json()["error"]["message"]  # the cause is logged, not echoed
     wait_idle(srv)
     on_engine(srv, assert_pools_clean)
     assert complete(srv, "after the fault", max_tokens=3, **GREEDY)["usage"]["completion_tokens"] == 3
-    on_engine(srv, arm)
+    on_engine(srv, fail_next_forward("injected fault"))
     chunks = stream(srv, "/v1/completions", {"prompt": "fault in a stream", "max_tokens": 4, **GREEDY})
     assert chunks[-1]["error"]["type"] == "server_error"
     assert srv.http.get("/health").status_code == 200
