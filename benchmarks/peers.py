@@ -1,0 +1,362 @@
+"""hybridserve against vLLM's CPU build on the same tiny hybrid checkpoints (CPU).
+
+    python -m benchmarks.peers [--vllm-python PATH] [--rows ROW ...] [--repeats 3]
+                               [--requests 64] [--prefix 1024] [--suffix 256] [--new 64] [--threads 2]
+    python -m benchmarks.peers --serve [...]    # both OpenAI servers driven by `vllm bench serve`
+
+Offline (default): the workload of benchmarks/engine.py, `--requests` prompts sharing a
+`--prefix`-token prefix with distinct `--suffix`-token tails, `--new` greedy tokens each,
+given as token ids to one generate() call. Every measurement is its own process (ours:
+`python -m benchmarks.peers --worker ...`, vLLM: `benchmarks/peer_vllm.py worker ...` under
+vLLM's python): load, warm up on a short prompt of other tokens, time the call. Engines
+alternate per repeat; the minimum time per engine is reported, with how far the greedy
+tokens agree. `--serve`: each engine's server under vLLM's own client (random dataset of
+`--prefix` shared + `--suffix` own tokens, `--new` out), the fastest of `--repeats` runs.
+
+vLLM is optional: `--vllm-python` or $HYBRIDSERVE_VLLM_PYTHON (docs/benchmarks.md: recipe).
+The checkpoints (benchmarks/peer_models.py) are built once under `--cache`. Our engine's
+cost profile is calibrated once per model and run (`hybridserve calibrate --quick`, what
+it would otherwise do at every start) unless `--cost-profile` names one. Before each run the
+parent waits (up to `--quiet-wait` s) for the CPUs to be mostly idle and records how busy
+they were. Writes benchmarks/results/peers.json (peers_serve.json with --serve).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+from benchmarks.engine import prompts
+from benchmarks.peer_models import MODELS, VOCAB, build
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+VLLM_ENV = "HYBRIDSERVE_VLLM_PYTHON"
+MEMORY_GB = 2.0  # ours: KV + states + checkpoints; vLLM: VLLM_CPU_KVCACHE_SPACE (peer_vllm.py)
+ENGINES = ("hybridserve", "vllm")
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    model: str  # a peer_models.MODELS name
+    prefix_cache: bool
+
+
+ROWS = {
+    "qwen3-next-cache": Row("Qwen3-Next bf16, prefix cache on", "qwen3-next", True),
+    "qwen3-next-nocache": Row("Qwen3-Next bf16, prefix cache off", "qwen3-next", False),
+    # vLLM's NemotronH crashes with prefix caching on CPU: compared with it off
+    "nemotron-h-nocache": Row("NemotronH fp32, prefix cache off", "nemotron-h", False),
+}
+
+
+@dataclass(frozen=True)
+class Agreement:
+    identical: int  # requests whose greedy tokens are all equal
+    total: int
+    prefix_share: float  # mean over requests: tokens equal before the first divergence / tokens
+
+    def __str__(self) -> str:
+        return f"{self.identical}/{self.total} identical, {self.prefix_share:.2f} to first divergence"
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> Agreement:
+    """How far two engines' greedy outputs agree, request by request."""
+    if len(ours) != len(ref):
+        raise ValueError(f"ours: {len(ours)} outputs against {len(ref)}")
+    shares = []
+    for a, b in zip(ours, ref):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shares.append(same / max(len(a), len(b), 1))
+    return Agreement(sum(a == b for a, b in zip(ours, ref)), len(ref), sum(shares) / max(len(shares), 1))
+
+
+def speed(ours_s: float, vllm_s: float) -> float:
+    """Our speed over vLLM's: > 1 when we are faster."""
+    return vllm_s / ours_s
+
+
+def workload(args: argparse.Namespace) -> dict:
+    """Token ids for both engines: the measured prompts and a warm-up prompt sharing nothing with them."""
+    batch = prompts(args.requests, args.prefix, args.suffix, vocab=VOCAB)
+    return {"prompts": batch, "warmup": prompts(1, 0, 16, vocab=VOCAB, seed=1)[0], "new": args.new}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Our side of one measurement (the twin of peer_vllm.py's worker); prints one JSON line."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from hybridserve import LLM, SamplingParams
+
+    work = json.loads(Path(args.workload).read_text())
+    llm = LLM(args.model, dtype=args.dtype, enable_prefix_cache=args.prefix_cache == "on",
+              max_running=len(work["prompts"]), memory_gb=MEMORY_GB, cost_profile=args.cost_profile)
+    llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
+    wall = time.perf_counter() - t0
+    print(json.dumps({"engine": "hybridserve", "wall_s": wall, "threads": torch.get_num_threads(),
+                      "token_ids": [o.token_ids for o in outs]}), flush=True)
+
+
+def worker_command(engine: str, row: Row, path: Path, work_file: Path, args, profile: str | Path | None) -> list[str]:
+    common = ["--model", str(path), "--dtype", MODELS[row.model].dtype, "--prefix-cache",
+              "on" if row.prefix_cache else "off", "--workload", str(work_file), "--threads", str(args.threads)]
+    if engine == "vllm":
+        return [args.vllm_python, str(HERE / "peer_vllm.py"), "worker", *common]
+    return [sys.executable, "-m", "benchmarks.peers", "--worker", *common,
+            *(["--cost-profile", str(profile)] if profile else [])]
+
+
+def busy_share(seconds: float = 1.0) -> float:
+    """Share of the machine's CPU time spent busy over the next `seconds` (/proc/stat; 0 without it)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except OSError:
+        return 0.0
+    return 1 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_quiet(timeout: float, threshold: float = 0.25) -> float:
+    """Wait (up to `timeout` s) until others leave the CPUs mostly idle; the busy share at the start."""
+    deadline = time.monotonic() + timeout
+    while (busy := busy_share()) > threshold and time.monotonic() < deadline:
+        time.sleep(4)
+    return busy
+
+
+def run_worker(cmd: list[str], log: Path) -> dict:
+    """Run one worker process; its JSON line (RuntimeError naming the log when it fails)."""
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, cwd=HERE.parent)
+        f.write(proc.stdout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"worker failed (exit {proc.returncode}): {' '.join(cmd)}; see {log}")
+    return json.loads(lines[-1])
+
+
+def calibrate(path: Path, dtype: str, args, out: Path, log: Path) -> Path:
+    """Our cost profile for this model and machine, fitted once (as each start would do)."""
+    cmd = [sys.executable, "-m", "hybridserve", "calibrate", str(path), "--output", str(out), "--quick",
+           "--dtype", dtype, "--memory-gb", str(MEMORY_GB), "--max-running", str(args.requests), "--log-level",
+           "warning"]
+    with open(log, "a") as f:
+        subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=True, env=threads_env(args.threads))
+    return out
+
+
+def threads_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PEER_VLLM_THREADS": str(threads)}
+
+
+def measure(row: Row, path: Path, args, engines: tuple[str, ...], profile: str | Path, scratch: Path) -> dict:
+    """One table row: engines alternating for `--repeats`, the minimum time per engine."""
+    work_file = scratch / "workload.json"
+    work_file.write_text(json.dumps(workload(args)))
+    runs: dict[str, list[float]] = {e: [] for e in engines}
+    busy: dict[str, list[float]] = {e: [] for e in engines}  # others' load when each run started
+    tokens: dict[str, list[list[int]]] = {}
+    for r in range(args.repeats):
+        for engine in engines:
+            busy[engine].append(wait_quiet(args.quiet_wait))
+            out = run_worker(worker_command(engine, row, path, work_file, args, profile), scratch / "workers.log")
+            runs[engine].append(out["wall_s"])
+            tokens[engine] = out["token_ids"]
+            print(f"  {row.label} | {engine} run {r + 1}: {out['wall_s']:.2f} s (busy before: "
+                  f"{busy[engine][-1]:.0%})", flush=True)
+    generated = args.requests * args.new
+    for engine, outs in tokens.items():
+        if len(outs) != args.requests or any(len(t) != args.new for t in outs):
+            raise RuntimeError(f"{engine}: {[len(t) for t in outs]} tokens for {args.requests} requests of {args.new}")
+    result: dict = {"row": row.label, "model": row.model, "prefix_cache": row.prefix_cache, "runs_s": runs,
+                    "busy_before": busy}
+    for engine in engines:
+        best = min(runs[engine])
+        result |= {f"{engine}_s": best, f"{engine}_tok_s": generated / best}
+    if "vllm" in engines:
+        result["speed"] = speed(result["hybridserve_s"], result["vllm_s"])
+        result["agreement"] = agreement(tokens["hybridserve"], tokens["vllm"]).__dict__
+    return result
+
+
+def table(results: list[dict]) -> str:
+    """The Markdown table of the offline rows; '-' where vLLM did not run."""
+    out = ["| row | hybridserve s | vLLM s | hybridserve tok/s | vLLM tok/s | hybridserve speed / vLLM | "
+           "greedy agreement |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        v = ["-"] * 4
+        if "vllm_s" in r:
+            v = [f"{r['vllm_s']:.2f}", f"{r['vllm_tok_s']:.0f}", f"{r['speed']:.2f}x", str(Agreement(**r["agreement"]))]
+        out.append(f"| {r['row']} | {r['hybridserve_s']:.2f} | {v[0]} | {r['hybridserve_tok_s']:.0f} | {v[1]} | "
+                   f"{v[2]} | {v[3]} |")
+    return "\n".join(out)
+
+
+SERVE_METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "output_throughput", "duration")
+
+
+def server_command(engine: str, row: Row, path: Path, port: int, args, profile: str | Path) -> list[str]:
+    dtype = MODELS[row.model].dtype
+    if engine == "vllm":
+        cache = "--enable-prefix-caching" if row.prefix_cache else "--no-enable-prefix-caching"
+        return [args.vllm_python, str(HERE / "peer_vllm.py"), "cli", "serve", str(path), "--host", "127.0.0.1",
+                "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.requests), "--seed", "0", cache]
+    cache = "--enable-prefix-cache" if row.prefix_cache else "--no-enable-prefix-cache"
+    return [sys.executable, "-m", "hybridserve", "serve", str(path), "--port", str(port), "--dtype", dtype,
+            "--max-running", str(args.requests), "--memory-gb", str(MEMORY_GB), "--cost-profile", str(profile),
+            cache, "--log-level", "warning"]
+
+
+def bench_command(url: str, path: Path, args, seed: int, out: Path) -> list[str]:
+    """`vllm bench serve` on the random dataset: a shared `--prefix`, `--suffix` own tokens, `--new` out.
+    Its ready check would send the first prompt (warming the prefix cache): off, the server is up."""
+    return [args.vllm_python, str(HERE / "peer_vllm.py"), "cli", "bench", "serve", "--backend", "openai",
+            "--base-url", url, "--endpoint", "/v1/completions", "--model", str(path), "--tokenizer", str(path),
+            "--dataset-name", "random", "--random-prefix-len", str(args.prefix), "--random-input-len",
+            str(args.suffix), "--random-output-len", str(args.new), "--num-prompts", str(args.requests),
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--ready-check-timeout-sec", "0",
+            "--disable-tqdm", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+
+
+def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:
+    """One engine's server, warmed up on a short prompt, then `--repeats` client runs (seed i:
+    new prompts, so no run finds another's prefix cached); the metrics of the fastest run."""
+    import httpx
+
+    from benchmarks.soak_server import free_port, wait_up
+
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", scratch / f"{engine}-server.log"
+    env = threads_env(args.threads)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(server_command(engine, row, path, port, args, profile), stdout=f,
+                                stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
+    runs = []
+    try:
+        wait_up(proc, url, timeout=900, log=log)
+        warm = {"model": str(path), "prompt": " ".join(f"t{i}" for i in range(4, 20)), "max_tokens": 2}
+        httpx.post(url + "/v1/completions", json=warm, timeout=600).raise_for_status()
+        for seed in range(args.repeats):
+            wait_quiet(args.quiet_wait)
+            out = scratch / f"{engine}-bench-{seed}.json"
+            with open(scratch / "bench.log", "a") as f:
+                subprocess.run(bench_command(url, path, args, seed, out), stdout=f, stderr=subprocess.STDOUT,
+                               check=True, env=env, cwd=scratch)
+            runs.append(json.loads(out.read_text()))
+            print(f"  {row.label} | {engine} served run {seed + 1}: {runs[-1]['duration']:.2f} s", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    best = min(runs, key=lambda r: r["duration"])
+    return {k: best[k] for k in SERVE_METRICS} | {"durations": [r["duration"] for r in runs]}
+
+
+def serve_row(row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:
+    result: dict = {"row": row.label, "model": row.model, "prefix_cache": row.prefix_cache}
+    for engine in ENGINES:
+        result[engine] = serve_engine(engine, row, path, args, profile, scratch)
+    ours, vllm = result["hybridserve"], result["vllm"]
+    result["speed"] = {k: (ours[k] / vllm[k] if k == "output_throughput" else speed(ours[k], vllm[k]))
+                       for k in SERVE_METRICS}
+    return result
+
+
+def serve_table(results: list[dict]) -> str:
+    """Markdown: per row, each engine's client metrics and our speed over vLLM's (> 1: we are faster)."""
+    out = ["| row | engine | mean TTFT ms | median TTFT ms | mean TPOT ms | median TPOT ms | output tok/s | "
+           "duration s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for name, key, fmt in (("hybridserve", "hybridserve", "{:.1f}"), ("vLLM", "vllm", "{:.1f}"),
+                               ("hybridserve speed / vLLM", "speed", "{:.2f}x")):
+            cells = " | ".join(fmt.format(r[key][k]) for k in SERVE_METRICS)
+            out.append(f"| {r['row']} | {name} | {cells} |")
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", default=os.environ.get(VLLM_ENV),
+                    help=f"python of a venv with vLLM (default: ${VLLM_ENV}); unset: hybridserve only")
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=None,
+                    help="rows to run (default: all offline rows; --serve: qwen3-next-cache)")
+    ap.add_argument("--serve", action="store_true", help="served comparison under `vllm bench serve`")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--suffix", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quiet-wait", type=float, default=120,
+                    help="before each run, wait up to this many seconds for the CPUs to be mostly idle (shared "
+                         "machines); the busy share seen is recorded")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
+                    help="where the checkpoints are built (once)")
+    ap.add_argument("--output", type=Path, default=None, help="results JSON (default: benchmarks/results/peers*.json)")
+    w = ap.add_argument_group("worker (one measurement, run by the parent)")
+    w.add_argument("--worker", action="store_true")
+    w.add_argument("--model")
+    w.add_argument("--dtype")
+    w.add_argument("--prefix-cache", choices=("on", "off"))
+    w.add_argument("--workload")
+    ap.add_argument("--cost-profile", help="our cost profile (name or file) for every run; default: calibrated "
+                                           "once per model")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.serve and not args.vllm_python:
+        sys.exit(f"--serve needs vLLM (its client is `vllm bench serve`): pass --vllm-python or set ${VLLM_ENV}")
+    engines = ENGINES if args.vllm_python else ENGINES[:1]
+    rows = [ROWS[r] for r in args.rows or (["qwen3-next-cache"] if args.serve else list(ROWS))]
+    scratch = args.cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    scratch.mkdir(parents=True)
+    paths = {m: build(m, args.cache) for m in {r.model for r in rows}}
+    for m, (path, params) in paths.items():
+        print(f"{m}: {params / 1e6:.2f}M parameters ({MODELS[m].dtype}) at {path}")
+    profiles = {m: args.cost_profile or calibrate(p, MODELS[m].dtype, args, scratch / f"{m}.cost.json",
+                                                  scratch / "calibrate.log") for m, (p, _) in paths.items()}
+    if args.serve:
+        results = [serve_row(r, paths[r.model][0], args, profiles[r.model], scratch) for r in rows]
+        text = serve_table(results)
+    else:
+        results = [measure(r, paths[r.model][0], args, engines, profiles[r.model], scratch) for r in rows]
+        text = table(results)
+    print(text)
+    if not args.vllm_python:
+        print(f"vLLM not configured (--vllm-python or ${VLLM_ENV}): hybridserve only")
+    workload_ = {k: getattr(args, k) for k in ("requests", "prefix", "suffix", "new", "threads", "repeats")}
+    record = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+              "cpus": os.cpu_count(), "workload": workload_, "vllm_python": args.vllm_python, "rows": results}
+    output = args.output or RESULTS / ("peers_serve.json" if args.serve else "peers.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

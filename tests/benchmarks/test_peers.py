@@ -1,0 +1,131 @@
+import ast
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks import peers
+from benchmarks.peer_models import MODELS, SPECIAL, VOCAB, build
+
+VLLM_PYTHON = os.environ.get(peers.VLLM_ENV)
+SMALL = ["--requests", "4", "--prefix", "32", "--suffix", "16", "--new", "4", "--threads", "1", "--repeats", "1",
+         "--quiet-wait", "0", "--cost-profile", "builtin_cpu"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("peers")
+    for name in MODELS:
+        build(name, path)
+    return path
+
+
+def test_checkpoints_load_in_hybridserve(cache):
+    """Both peer checkpoints load with their layer layout, dtype and parameter count as built."""
+    from hybridserve import LLM
+
+    kinds = {"qwen3-next": ("gdn", "gdn", "gdn", "attn") * 2, "nemotron-h": tuple("mamba2 mlp mamba2 attn mamba2 mlp "
+                                                                                  "mamba2 mlp".split())}
+    for name, spec in MODELS.items():
+        path, params = build(name, cache)
+        assert json.loads((path / "config.json").read_text())["dtype"] == spec.dtype
+        engine = LLM(str(path), dtype=spec.dtype, memory_gb=0.05, cost_profile="builtin_cpu").engine
+        assert tuple(engine.model_config.layer_kinds) == kinds[name]
+        assert params == sum(p.numel() for p in engine.model.parameters())
+
+
+def test_tokenizer_round_trips(cache):
+    """decode -> encode gives back every id, special ones included (vllm bench serve's random dataset)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cache / "qwen3-next")
+    ids = list(range(VOCAB))
+    assert tok.vocab_size == VOCAB and tok.eos_token_id == SPECIAL.index("</s>")
+    assert tok.encode(tok.decode(ids)) == ids
+    assert tok.encode(tok.decode(ids[7::13][::-1])) == ids[7::13][::-1]
+
+
+def test_worker_returns_every_token(cache, tmp_path, capsys):
+    """Our worker on a shrunken workload: one JSON line, `new` tokens for each request."""
+    args = peers.parse_args(SMALL)
+    work = tmp_path / "workload.json"
+    work.write_text(json.dumps(peers.workload(args)))
+    for name, spec in MODELS.items():
+        peers.main(["--worker", "--model", str(cache / name), "--dtype", spec.dtype, "--prefix-cache", "on",
+                    "--workload", str(work), *SMALL])
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["engine"] == "hybridserve" and out["wall_s"] > 0 and out["threads"] == 1
+        assert [len(t) for t in out["token_ids"]] == [4] * 4
+
+
+def test_workload_warmup_shares_no_prefix():
+    """The warm-up prompt does not start like the measured ones (it must not fill their prefix cache)."""
+    work = peers.workload(peers.parse_args(SMALL))
+    assert len(work["prompts"]) == 4 and all(len(p) == 48 for p in work["prompts"])
+    assert len({tuple(p[:32]) for p in work["prompts"]}) == 1
+    assert work["warmup"][0] != work["prompts"][0][0]
+
+
+def test_agreement_counts_up_to_the_first_divergence():
+    """Identical requests are counted; a divergence at token 3 of 4 scores 0.75, at 0 scores 0."""
+    assert peers.agreement([[1, 2, 3, 4]], [[1, 2, 3, 4]]) == peers.Agreement(1, 1, 1.0)
+    assert peers.agreement([[1, 2, 3, 4]], [[1, 2, 3, 9]]) == peers.Agreement(0, 1, 0.75)
+    mixed = peers.agreement([[1, 2, 3, 4], [5, 6, 7, 8], [1, 1]], [[1, 2, 3, 4], [0, 6, 7, 8], [1, 1, 1]])
+    assert mixed.identical == 1 and mixed.total == 3
+    assert mixed.prefix_share == pytest.approx((1 + 0 + 2 / 3) / 3)
+    with pytest.raises(ValueError, match="ours"):
+        peers.agreement([[1]], [])
+
+
+def test_speed_is_vllm_time_over_ours():
+    """Our speed over vLLM's: 3 s against vLLM's 1 s reads 0.33x, 1 s against 2 s reads 2x."""
+    assert peers.speed(3.0, 1.0) == pytest.approx(1 / 3)
+    assert peers.speed(1.0, 2.0) == 2.0
+
+
+def test_table_without_vllm_marks_its_columns():
+    """A hybridserve-only row shows '-' in vLLM's columns; a full row shows speed and agreement."""
+    ours = {"row": "r", "hybridserve_s": 2.0, "hybridserve_tok_s": 128.0}
+    both = ours | {"vllm_s": 1.0, "vllm_tok_s": 256.0, "speed": 0.5, "agreement": peers.Agreement(3, 4, 0.9).__dict__}
+    lines = peers.table([ours, both]).splitlines()
+    assert lines[2] == "| r | 2.00 | - | 128 | - | - | - |"
+    assert lines[3] == "| r | 2.00 | 1.00 | 128 | 256 | 0.50x | 3/4 identical, 0.90 to first divergence |"
+
+
+def test_peer_vllm_imports_nothing_from_this_repository():
+    """peer_vllm.py runs under vLLM's python, which does not have this repository's packages."""
+    tree = ast.parse((Path(peers.HERE) / "peer_vllm.py").read_text())
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert mods <= {"__future__", "argparse", "importlib", "json", "os", "sys", "time", "vllm"}
+
+
+def test_parent_runs_hybridserve_only(cache, tmp_path, monkeypatch):
+    """Without vLLM the parent runs our worker processes and writes a table and JSON without vLLM's numbers."""
+    monkeypatch.delenv(peers.VLLM_ENV, raising=False)
+    out = tmp_path / "peers.json"
+    peers.main([*SMALL, "--rows", "nemotron-h-nocache", "--cache", str(cache), "--output", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["row"] == peers.ROWS["nemotron-h-nocache"].label and "vllm_s" not in row and row["hybridserve_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON, reason=f"no vLLM python (set ${peers.VLLM_ENV})")
+def test_vllm_worker_matches_ours_in_fp32(cache, tmp_path):
+    """vLLM's worker on the fp32 NemotronH: every request's tokens, and the same greedy tokens as ours."""
+    args = peers.parse_args([*SMALL, "--vllm-python", VLLM_PYTHON])
+    work = tmp_path / "workload.json"
+    work.write_text(json.dumps(peers.workload(args)))
+    row, path = peers.ROWS["nemotron-h-nocache"], cache / "nemotron-h"
+    outs = {e: peers.run_worker(peers.worker_command(e, row, path, work, args, "builtin_cpu"), tmp_path / "log")
+            for e in peers.ENGINES}
+    assert [len(t) for t in outs["vllm"]["token_ids"]] == [4] * 4
+    assert peers.agreement(outs["hybridserve"]["token_ids"], outs["vllm"]["token_ids"]).identical == 4
+
+
+def test_serve_needs_vllm(monkeypatch):
+    """--serve without a vLLM python stops with a message naming the setting."""
+    monkeypatch.delenv(peers.VLLM_ENV, raising=False)
+    with pytest.raises(SystemExit, match=peers.VLLM_ENV):
+        peers.main(["--serve"])
