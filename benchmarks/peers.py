@@ -10,15 +10,17 @@ given as token ids to one generate() call. Every measurement is its own process 
 `python -m benchmarks.peers --worker ...`, vLLM: `benchmarks/peer_vllm.py worker ...` under
 vLLM's python): load, warm up on a short prompt of other tokens, time the call. Engines
 alternate per repeat; the minimum time per engine is reported, with how far the greedy
-tokens agree. `--serve`: each engine's server under vLLM's own client (random dataset of
-`--prefix` shared + `--suffix` own tokens, `--new` out), the fastest of `--repeats` runs.
+tokens agree, and the share of the CPUs others used during each run (a run they took more
+than `--max-others` of is rerun, `--retries` times at most). `--serve`: each engine's
+server under vLLM's own client (random dataset of `--prefix` shared + `--suffix` own
+tokens, `--new` out), the fastest of `--repeats` runs.
 
 vLLM is optional: `--vllm-python` or $HYBRIDSERVE_VLLM_PYTHON (docs/benchmarks.md: recipe).
 The checkpoints (benchmarks/peer_models.py) are built once under `--cache`. Our engine's
 cost profile is calibrated once per model and run (`hybridserve calibrate --quick`, what
 it would otherwise do at every start) unless `--cost-profile` names one. Before each run the
-parent waits (up to `--quiet-wait` s) for the CPUs to be mostly idle and records how busy
-they were. Writes benchmarks/results/peers.json (peers_serve.json with --serve).
+parent waits (up to `--quiet-wait` s) for the CPUs to be mostly idle. Writes
+benchmarks/results/peers.json (peers_serve.json with --serve).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -117,28 +120,50 @@ def worker_command(engine: str, row: Row, path: Path, work_file: Path, args, pro
             *(["--cost-profile", str(profile)] if profile else [])]
 
 
-def busy_share(seconds: float = 1.0) -> float:
-    """Share of the machine's CPU time spent busy over the next `seconds` (/proc/stat; 0 without it)."""
-    def sample() -> tuple[int, int]:
+def cpu_ticks() -> tuple[int, int]:
+    """(all, busy) clock ticks of the machine since boot, summed over its CPUs (/proc/stat; 0s without it)."""
+    try:
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
-
-    try:
-        t0, i0 = sample()
-        time.sleep(seconds)
-        t1, i1 = sample()
     except OSError:
-        return 0.0
-    return 1 - (i1 - i0) / max(t1 - t0, 1)
+        return 0, 0
+    return sum(ticks), sum(ticks) - ticks[3] - ticks[4]  # idle, iowait
 
 
-def wait_quiet(timeout: float, threshold: float = 0.25) -> float:
-    """Wait (up to `timeout` s) until others leave the CPUs mostly idle; the busy share at the start."""
+def children_cpu_s() -> float:
+    """CPU seconds of this process's finished (waited-for) children and their descendants."""
+    use = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return use.ru_utime + use.ru_stime
+
+
+def others_share(since: tuple[int, int], ours_s: float = 0.0) -> float:
+    """Share of the machine's CPU time since `since` (cpu_ticks()) that others used: busy minus `ours_s`."""
+    (all0, busy0), (all1, busy1) = since, cpu_ticks()
+    return max(0.0, busy1 - busy0 - ours_s * os.sysconf("SC_CLK_TCK")) / max(all1 - all0, 1)
+
+
+def wait_quiet(timeout: float, threshold: float = 0.25) -> None:
+    """Wait (up to `timeout` s) until others leave the CPUs mostly idle (shared machines)."""
     deadline = time.monotonic() + timeout
-    while (busy := busy_share()) > threshold and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        since = cpu_ticks()
+        time.sleep(1)
+        if others_share(since) <= threshold:
+            return
         time.sleep(4)
-    return busy
+
+
+def timed_worker(cmd: list[str], log: Path, args) -> tuple[dict, float]:
+    """One worker run on a quiet machine, rerun (up to `--retries` times) while others took more than
+    `--max-others` of the CPUs during it; its JSON line and the others' share."""
+    for _ in range(1 + args.retries):
+        wait_quiet(args.quiet_wait)
+        since, ours = cpu_ticks(), children_cpu_s()
+        out = run_worker(cmd, log)
+        others = others_share(since, children_cpu_s() - ours)
+        if others <= args.max_others:
+            break
+    return out, others
 
 
 def run_worker(cmd: list[str], log: Path) -> dict:
@@ -173,22 +198,23 @@ def measure(row: Row, path: Path, args, engines: tuple[str, ...], profile: str |
     work_file = scratch / "workload.json"
     work_file.write_text(json.dumps(workload(args)))
     runs: dict[str, list[float]] = {e: [] for e in engines}
-    busy: dict[str, list[float]] = {e: [] for e in engines}  # others' load when each run started
+    others: dict[str, list[float]] = {e: [] for e in engines}  # others' CPU share during each run
     tokens: dict[str, list[list[int]]] = {}
     for r in range(args.repeats):
         for engine in engines:
-            busy[engine].append(wait_quiet(args.quiet_wait))
-            out = run_worker(worker_command(engine, row, path, work_file, args, profile), scratch / "workers.log")
+            cmd = worker_command(engine, row, path, work_file, args, profile)
+            out, share = timed_worker(cmd, scratch / "workers.log", args)
             runs[engine].append(out["wall_s"])
+            others[engine].append(share)
             tokens[engine] = out["token_ids"]
-            print(f"  {row.label} | {engine} run {r + 1}: {out['wall_s']:.2f} s (busy before: "
-                  f"{busy[engine][-1]:.0%})", flush=True)
+            print(f"  {row.label} | {engine} run {r + 1}: {out['wall_s']:.2f} s (others' CPU share: {share:.0%})",
+                  flush=True)
     generated = args.requests * args.new
     for engine, outs in tokens.items():
         if len(outs) != args.requests or any(len(t) != args.new for t in outs):
             raise RuntimeError(f"{engine}: {[len(t) for t in outs]} tokens for {args.requests} requests of {args.new}")
     result: dict = {"row": row.label, "model": row.model, "prefix_cache": row.prefix_cache, "runs_s": runs,
-                    "busy_before": busy}
+                    "others_share": others}
     for engine in engines:
         best = min(runs[engine])
         result |= {f"{engine}_s": best, f"{engine}_tok_s": generated / best}
@@ -310,8 +336,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quiet-wait", type=float, default=120,
-                    help="before each run, wait up to this many seconds for the CPUs to be mostly idle (shared "
-                         "machines); the busy share seen is recorded")
+                    help="before each run, wait up to this many seconds for others to leave the CPUs mostly idle")
+    ap.add_argument("--max-others", type=float, default=0.1,
+                    help="an offline run during which others used more than this share of the CPUs is rerun")
+    ap.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run at most (then it counts)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
                     help="where the checkpoints are built (once)")
     ap.add_argument("--output", type=Path, default=None, help="results JSON (default: benchmarks/results/peers*.json)")
