@@ -16,6 +16,7 @@ Writes benchmarks/results/engine.json.
 """
 from __future__ import annotations
 
+import hybridserve  # noqa: F401  # isort: skip  (first: the OpenMP wait policy is read when torch loads)
 import argparse
 import json
 import platform

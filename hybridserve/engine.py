@@ -10,6 +10,7 @@ from typing import Sequence, Union
 import torch
 
 from hybridserve.config import EngineConfig
+from hybridserve.host import keep_freed_memory
 from hybridserve.outputs import Detokenizer, RequestOutput
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
@@ -55,6 +56,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **settings):
         config = (config or EngineConfig()).replace(**settings)
         self.config = config
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory()
         torch.manual_seed(config.seed)
         self.path = builtin_path() if config.model == "builtin" else Path(config.model)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)

@@ -105,6 +105,9 @@ class KimiExpert(nn.Module):
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def parts(self):
+        return self.w1, self.w3, self.w2, F.silu
+
 
 class KimiMoE(nn.Module):
     def __init__(self, cfg):

@@ -125,6 +125,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
 
+    def parts(self):
+        return None, self.up_proj, self.down_proj, self.act
+
 
 class MoE(nn.Module):
     """Sigmoid grouped top-k routing over ungated experts (optionally in a latent space) plus

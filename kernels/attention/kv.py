@@ -82,7 +82,8 @@ def read_kv(
     page_size = cache.shape[1]
     n_pages = -(-num_keys // page_size)
     pages = page_table[:, :n_pages].clamp(min=0)  # [N, P']
-    return cache[pages].flatten(1, 2)[:, :num_keys]  # [N, L, Hkv, D]
+    rows = cache.view(cache.shape[0], -1).index_select(0, pages.flatten())  # whole pages: one row copy each
+    return rows.view(pages.shape[0], n_pages * page_size, *cache.shape[2:])[:, :num_keys]  # [N, L, Hkv, D]
 
 
 def check_paged_args(

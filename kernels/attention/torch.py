@@ -1,11 +1,14 @@
 """Causal attention over a paged KV cache in torch (the CPU path; runs on any device).
 
 Sequences are grouped by query count; each group reads its keys from the pages once and
-runs padded SDPA calls with an explicit causal mask (SDPA's `is_causal` aligns to the
-top-left, wrong when the queries sit at the end of a longer key set). Decode (one query
-per sequence) is therefore a single batched call whatever N. Long query blocks are cut
-into pieces of Q_BLOCK queries so the mask and scores stay bounded.
-Computation is fp32; o is in q's dtype.
+runs padded SDPA calls in fp32: with `is_causal` where a group has no cached prefix (SDPA
+aligns its mask to the top-left, right only when queries and keys coincide), else with an
+explicit causal mask, long query blocks cut into pieces of Q_BLOCK queries so the mask and
+scores stay bounded.
+
+Decode (one query per sequence) is one batched matmul pair per KV head over the gathered
+pages in the cache dtype (BLAS accumulates in fp32), with an fp32 softmax: no fp32 copy of
+the keys, which at decode is most of the work. o is in q's dtype.
 """
 from __future__ import annotations
 
@@ -50,17 +53,36 @@ def paged_attention(
         rows = (q_lens == e).nonzero().flatten()  # [n]
         lens = seq_lens[rows]  # [n]
         num_keys = int(lens.max())
-        k = read_kv(k_cache, page_table[rows], num_keys).float()  # [n, L, Hkv, Dk]
-        if v_cache is None:
-            v = k[..., :v_dim]  # [n, L, Hkv, Dv]
-        else:
-            v = read_kv(v_cache, page_table[rows], num_keys).float()  # [n, L, Hkv, Dv]
+        k = read_kv(k_cache, page_table[rows], num_keys)  # [n, L, Hkv, Dk]
+        v = k[..., :v_dim] if v_cache is None else read_kv(v_cache, page_table[rows], num_keys)  # [n, L, Hkv, Dv]
+        if e == 1:
+            o[cu_seqlens[rows]] = _decode(q[cu_seqlens[rows]], k, v, lens, scale).to(o.dtype)
+            continue
+        k, v = k.float(), v.float()
         tok = cu_seqlens[rows, None] + torch.arange(e, device=q.device)  # [n, E]
+        if num_keys == e:  # no cached prefix in this group: SDPA's own causal mask applies
+            o[tok] = F.scaled_dot_product_attention(
+                q[tok].float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=scale, enable_gqa=h != k.shape[2]).transpose(1, 2).to(o.dtype)
+            continue
         q_pos = lens[:, None] - e + torch.arange(e, device=q.device)  # [n, E]
         for s in range(0, e, Q_BLOCK):
             blk = tok[:, s : s + Q_BLOCK]  # [n, Eb]
             o[blk] = _attend(q[blk], q_pos[:, s : s + Q_BLOCK], k, v, scale).to(o.dtype)
     return o
+
+
+def _decode(q, k, v, lens, scale):
+    """q [n, H, Dk] (the last query of each sequence); k [n, L, Hkv, Dk], v [n, L, Hkv, Dv]
+    in the cache dtype; lens [n] keys per sequence -> o [n, H, Dv] fp32."""
+    n, h, _ = q.shape
+    hkv = k.shape[2]
+    q = q.to(k.dtype).view(n, hkv, h // hkv, -1)  # [n, Hkv, r, Dk]: query heads per KV head
+    scores = torch.stack([torch.bmm(k[:, :, g], q[:, g].transpose(1, 2)) for g in range(hkv)], 2)  # [n, L, Hkv, r]
+    past = torch.arange(k.shape[1], device=q.device)[None] >= lens[:, None]  # [n, L]
+    p = (scores.float() * scale).masked_fill_(past[:, :, None, None], float("-inf")).softmax(1).to(v.dtype)
+    o = torch.stack([torch.bmm(p[:, :, g].transpose(1, 2), v[:, :, g]) for g in range(hkv)], 1)  # [n, Hkv, r, Dv]
+    return o.reshape(n, h, -1).float()
 
 
 def _attend(q, q_pos, k, v, scale):

@@ -32,6 +32,9 @@ def recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_st
     scale = K ** -0.5 if scale is None else scale
     cu = seq_bounds(cu_seqlens, T)
     N = len(cu) - 1
+    if N == T and checkpoint_at is None:  # one token per sequence (decode): a single step
+        o, final = delta_step(q, k, v, g, beta, scale, initial_state)
+        return o.to(v.dtype), final if output_final_state else None
     starts = torch.tensor(cu[:-1])
     lengths = torch.tensor(cu[1:]) - starts
     order = torch.sort(lengths, descending=True, stable=True).indices  # running sequences first
@@ -60,3 +63,16 @@ def recurrent_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_st
     final[order.to(q.device)] = S
     out = (o.to(v.dtype), final if output_final_state else None)
     return out if checkpoint_at is None else (*out, states)
+
+
+def delta_step(q, k, v, g, beta, scale, state):
+    """One token of each of N sequences: q, k [N, H, K]; v [N, HV, V]; g [N, HV, K or 1];
+    beta [N, HV]; state [N, HV, K, V] or None (zeros). Returns (o [N, HV, V], new state), fp32."""
+    r = v.shape[1] // q.shape[1]  # value heads per key head
+    q, k = (x.float().repeat_interleave(r, 1) if r > 1 else x.float() for x in (q, k))  # [N, HV, K]
+    if state is None:
+        state = v.new_zeros(*k.shape, v.shape[2], dtype=torch.float32)
+    s = state.float() * g.float().exp()[..., None]  # [N, HV, K, V] (a new tensor)
+    err = v.float() - torch.einsum("nhkv,nhk->nhv", s, k)  # [N, HV, V]
+    s = s.addcmul_(k[..., None], (beta.float()[..., None] * err)[:, :, None])
+    return scale * torch.einsum("nhkv,nhk->nhv", s, q), s

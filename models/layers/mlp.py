@@ -1,6 +1,9 @@
 """Feed-forward blocks: gated MLP and a mixture of experts with per-expert weights."""
 from __future__ import annotations
 
+import weakref
+from typing import Callable, NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,26 +24,83 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
+    def parts(self):
+        return self.gate_proj, self.up_proj, self.down_proj, self.act
+
+
+class Stacked(NamedTuple):
+    """The experts' weights as [E, out, in] stacks and biases as [E, 1, out] (None where the
+    experts have none); each expert's parameters are views of one row, so there is one copy."""
+
+    gate: torch.Tensor | None
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_bias: torch.Tensor | None
+    up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+STACKS: weakref.WeakKeyDictionary[nn.ModuleList, Stacked] = weakref.WeakKeyDictionary()
+
+
+def _stack(linears, attr: str) -> torch.Tensor | None:
+    """Stack one parameter of every Linear (None if absent) and make each a view of its row."""
+    if linears[0] is None or getattr(linears[0], attr) is None:
+        return None
+    stack = torch.stack([getattr(lin, attr).data for lin in linears])
+    for e, lin in enumerate(linears):
+        getattr(lin, attr).data = stack[e]
+    return stack
+
+
+def stack_experts(experts: nn.ModuleList) -> Stacked:
+    """Stack the weights of experts that expose `parts()` -> (gate Linear or None, up Linear,
+    down Linear, activation), once per module list (inference weights never change)."""
+    if experts not in STACKS:
+        gate, up, down, acts = zip(*(e.parts() for e in experts))  # type: ignore[operator]
+        if len(set(acts)) != 1:
+            raise ValueError(f"experts: one activation expected, got {len(set(acts))}")
+        g, u, d = (_stack(linears, "weight") for linears in (gate, up, down))
+        gb, ub, db = (_stack(linears, "bias") for linears in (gate, up, down))
+        assert u is not None and d is not None
+        gb, ub, db = (b if b is None else b[:, None] for b in (gb, ub, db))
+        STACKS[experts] = Stacked(g, u, d, gb, ub, db, acts[0])
+    return STACKS[experts]
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [E, C, in] @ w[e].T (+ b[e]) -> [E, C, out]."""
+    return torch.bmm(x, w.transpose(1, 2)) if b is None else torch.baddbmm(b, x, w.transpose(1, 2))
+
 
 def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sum_k weight[t, k] * experts[idx[t, k]](x[t]) for x [T, D], idx/weight [T, top_k].
 
-    Loops over the experts that were chosen at least once; each runs on its tokens only.
+    The T * top_k (token, choice) rows are sorted by expert. When the busiest expert's rows
+    times the expert count is at most twice the rows (balanced routing, as in decode
+    batches), all experts run as one padded batched matmul per projection; otherwise each
+    chosen expert runs once on its contiguous block. The outputs go back to (token, choice)
+    order with one copy and are summed over the choices (no scatter-add).
     """
-    out = torch.zeros_like(x)
-    flat = idx.flatten()  # [T * top_k]
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
-    tokens = order // idx.shape[1]
-    w = weight.flatten()[order]
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            t = tokens[start : start + n]
-            y = experts[e](x[t]) * w[start : start + n, None].to(x.dtype)
-            out.index_add_(0, t, y)
-        start += n
-    return out
+    t, k = idx.shape
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)  # [T * top_k] rows grouped by expert
+    counts = torch.bincount(flat, minlength=len(experts))  # [E]
+    rows = x[order // k]  # [T * top_k, D] in expert order
+    cap = int(counts.max())
+    if len(experts) * cap <= 2 * t * k and hasattr(experts[0], "parts"):
+        w = stack_experts(experts)
+        at = flat[order] * cap + torch.arange(t * k, device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+        padded = rows.new_zeros(len(experts) * cap, rows.shape[1]).index_copy_(0, at, rows)
+        padded = padded.view(len(experts), cap, -1)  # [E, cap, D]: expert e's rows, zero-padded
+        up = _bmm(padded, w.up, w.up_bias)
+        h = w.act(up) if w.gate is None else w.act(_bmm(padded, w.gate, w.gate_bias)) * up
+        y = _bmm(h, w.down, w.down_bias).flatten(0, 1).index_select(0, at)  # [T * top_k, D_out]
+    else:
+        y = torch.cat([experts[e](r) for e, r in enumerate(rows.split(counts.tolist())) if len(r)])
+    y = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # back to (token, choice) order
+    return (y * weight[..., None].to(x.dtype)).sum(1)
 
 
 class GroupedTopKRouter(nn.Module):

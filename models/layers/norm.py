@@ -20,8 +20,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         if self.offset:
             return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
@@ -38,9 +37,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.weight.float() * x
+        x = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)
         return (x * self.act(gate.float())).to(dtype)
 
 

@@ -97,17 +97,17 @@ class CacheMachine(RuleBasedStateMachine):
         self._sync_after_eviction()
         if mine is None:
             return
+        grid = list(range(self.g, n_full * self.ps + 1, self.g))
+        want = data.draw(st.lists(st.sampled_from(grid), unique=True)) if grid else []
+        fresh = [self.cache.alloc_checkpoint() for _ in want]  # may evict cached pages (one budget)
+        self._sync_after_eviction()
         kv = self.cache.kv_pool.buffers[0]["kv"]
-        for i, p in enumerate(mine):
+        for i, p in enumerate(mine):  # reuse only what survived every allocation above
             kv[p] = self._id(tokens[: (i + 1) * self.ps])
             prefix = tokens[: (i + 1) * self.ps]
             if reuse and prefix in self.ref_kv and all(tokens[: j * self.ps] in self.ref_kv for j in range(1, i + 1)):
                 self.cache.kv_pool.free([p])
                 mine[i] = self.ref_kv[prefix]
-        grid = list(range(self.g, n_full * self.ps + 1, self.g))
-        want = data.draw(st.lists(st.sampled_from(grid), unique=True)) if grid else []
-        fresh = [self.cache.alloc_checkpoint() for _ in want]
-        self._sync_after_eviction()
         ckpts = {}
         for pos, slot in zip(want, fresh):
             if reuse and tokens[:pos] in self.ref_ck and slot is not None:
