@@ -17,6 +17,7 @@ import torch
 VOCAB = 4096
 SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3: pad, bos, eos, unk
 
+# vLLM's CPU GDN kernel takes linear head dims 64 or 128 only, keys as wide as values.
 QWEN3_NEXT: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
     shared_expert_intermediate_size=256, num_hidden_layers=8,
@@ -51,11 +52,13 @@ MODELS = {
 
 
 def build(name: str, cache: Path, seed: int = 0) -> tuple[Path, int]:
-    """The checkpoint folder of MODELS[name] under `cache` (built once; seeded) and its parameter count."""
+    """The checkpoint folder of MODELS[name] under `cache` (built once per settings and seed) and its
+    parameter count."""
     spec = MODELS[name]
     path = cache / spec.name
     done = path / "params.json"
-    if done.is_file():
+    stamp = {"seed": seed, "settings": json.loads(json.dumps(spec.settings))}
+    if done.is_file() and json.loads(done.read_text()).get("stamp") == stamp:
         return path, json.loads(done.read_text())["params"]
     from tests.models.harness import save_tiny
     from tests.utils import import_torch_reference
@@ -69,12 +72,12 @@ def build(name: str, cache: Path, seed: int = 0) -> tuple[Path, int]:
     ref.to(dtype).save_pretrained(path)
     cfg = json.loads((path / "config.json").read_text())
     cfg["dtype"] = cfg["torch_dtype"] = spec.dtype
-    if "hybrid_override_pattern" in spec.settings:  # older readers (vLLM's own config class) want the pattern
+    if "hybrid_override_pattern" in spec.settings:  # transformers < 5 reads the layout from the pattern
         cfg["hybrid_override_pattern"] = spec.settings["hybrid_override_pattern"]
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_tokenizer(path)
     params = sum(p.numel() for p in ref.parameters())
-    done.write_text(json.dumps({"params": params, "seed": seed}) + "\n")
+    done.write_text(json.dumps({"params": params, "stamp": stamp}) + "\n")
     return path, params
 
 
