@@ -14,6 +14,7 @@ from hybridserve.host import keep_freed_memory
 from hybridserve.outputs import Detokenizer, RequestOutput
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
+from kernels.attention import native
 from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
 from models.loader import load_model
@@ -58,6 +59,7 @@ class Engine:
         self.config = config
         if torch.device(config.device).type == "cpu":
             keep_freed_memory()
+            native.extension()  # built once per machine (about a minute), not in the first decode step
         torch.manual_seed(config.seed)
         self.path = builtin_path() if config.model == "builtin" else Path(config.model)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)

@@ -6,9 +6,10 @@ aligns its mask to the top-left, right only when queries and keys coincide), els
 explicit causal mask, long query blocks cut into pieces of Q_BLOCK queries so the mask and
 scores stay bounded.
 
-Decode (one query per sequence) is one batched matmul pair per KV head over the gathered
-pages in the cache dtype (BLAS accumulates in fp32), with an fp32 softmax: no fp32 copy of
-the keys, which at decode is most of the work. o is in q's dtype.
+Decode (one query per sequence) runs the compiled kernel of kernels/attention/native.py,
+which reads the pages in place with fp32 accumulation; where it is not built, one batched
+matmul pair per KV head over the gathered pages in the cache dtype (BLAS accumulates in
+fp32) with an fp32 softmax. o is in q's dtype.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.kv import check_paged_args, query_lens, read_kv
+from kernels.attention.native import paged_decode
 
 Q_BLOCK = 1024
 
@@ -52,12 +54,13 @@ def paged_attention(
             continue
         rows = (q_lens == e).nonzero().flatten()  # [n]
         lens = seq_lens[rows]  # [n]
+        if e == 1:
+            o[cu_seqlens[rows]] = decode(q[cu_seqlens[rows]], k_cache, v_cache, page_table[rows], lens, scale,
+                                         dv).to(o.dtype)
+            continue
         num_keys = int(lens.max())
         k = read_kv(k_cache, page_table[rows], num_keys)  # [n, L, Hkv, Dk]
         v = k[..., :v_dim] if v_cache is None else read_kv(v_cache, page_table[rows], num_keys)  # [n, L, Hkv, Dv]
-        if e == 1:
-            o[cu_seqlens[rows]] = _decode(q[cu_seqlens[rows]], k, v, lens, scale).to(o.dtype)
-            continue
         k, v = k.float(), v.float()
         tok = cu_seqlens[rows, None] + torch.arange(e, device=q.device)  # [n, E]
         if num_keys == e:  # no cached prefix in this group: SDPA's own causal mask applies
@@ -70,6 +73,21 @@ def paged_attention(
             blk = tok[:, s : s + Q_BLOCK]  # [n, Eb]
             o[blk] = _attend(q[blk], q_pos[:, s : s + Q_BLOCK], k, v, scale).to(o.dtype)
     return o
+
+
+def decode(q, k_cache, v_cache, page_table, lens, scale, dv):
+    """One query per sequence: q [n, H, Dk], page_table [n, P], lens [n] -> o [n, H, Dv] fp32.
+    The compiled kernel reads the pages in place where it is built (kernels/attention/native.py);
+    otherwise the pages are gathered and `_decode` runs."""
+    v_rows = k_cache if v_cache is None else v_cache  # MLA latent: values are the first Dv channels of k
+    if q.dtype == k_cache.dtype == v_rows.dtype:
+        out = paged_decode(q, k_cache, v_rows, page_table, lens, scale, dv)
+        if out is not None:
+            return out
+    num_keys = int(lens.max())
+    k = read_kv(k_cache, page_table, num_keys)  # [n, L, Hkv, Dk]
+    v = k[..., :dv] if v_cache is None else read_kv(v_cache, page_table, num_keys)  # [n, L, Hkv, Dv]
+    return _decode(q, k, v, lens, scale)
 
 
 def _decode(q, k, v, lens, scale):

@@ -1,0 +1,105 @@
+// Decode attention over a paged KV cache on the CPU: one query per sequence, read straight
+// from the pages (no gathered copy of the keys), fp32 accumulation, parallel over
+// sequences. The contract is kernels/attention/torch.py's `paged_attention` for
+// rows with one query; kernels/attention/native.py builds and calls it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+static inline float as_float(float x) { return x; }
+// bf16 is the top half of an fp32: a shift the compiler vectorizes (c10's conversion it does not)
+static inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+template <typename T>
+static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
+                   const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t N = q.size(0), H = q.size(1), Dk = q.size(2), Dv = out.size(2);
+  const int64_t page_size = kc.size(1), Hkv = kc.size(2), R = H / Hkv, width = pages.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* pp = pages.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
+  const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
+  const float sc = static_cast<float>(scale);
+  // one sequence per job, all its heads together, so each key and value row is read once
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * Dk), scores, total(H);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t L = lp[n];
+      const int64_t* table = pp + n * width;
+      float* acc = op + n * H * Dv;  // query head h = g * R + r reads KV head g
+      scores.resize(H * L);
+      for (int64_t i = 0; i < H * Dk; ++i) qf[i] = as_float(qp[n * H * Dk + i]) * sc;
+      for (int64_t t0 = 0; t0 < L; t0 += page_size) {  // scores: one pass over the keys, page by page
+        const T* page = kp + table[t0 / page_size] * k_page;
+        for (int64_t t = t0; t < std::min(L, t0 + page_size); ++t) {
+          for (int64_t h = 0; h < H; ++h) {
+            const T* k = page + (t - t0) * k_row + (h / R) * k_head;
+            const float* qh = qf.data() + h * Dk;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < Dk; ++d) s += qh[d] * as_float(k[d]);
+            scores[h * L + t] = s;
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {  // softmax numerators in place
+        float* s = scores.data() + h * L;
+        const float top = L ? *std::max_element(s, s + L) : 0.f;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) {
+          s[t] = std::exp(s[t] - top);
+          sum += s[t];
+        }
+        total[h] = sum;
+      }
+      std::fill(acc, acc + H * Dv, 0.f);
+      for (int64_t t0 = 0; t0 < L; t0 += page_size) {  // values: one pass, page by page
+        const T* page = vp + table[t0 / page_size] * v_page;
+        for (int64_t t = t0; t < std::min(L, t0 + page_size); ++t) {
+          for (int64_t h = 0; h < H; ++h) {
+            const T* v = page + (t - t0) * v_row + (h / R) * v_head;
+            const float p = scores[h * L + t];
+            float* a = acc + h * Dv;
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) a[d] += p * as_float(v[d]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < Dv; ++d) acc[h * Dv + d] /= total[h];
+    }
+  });
+}
+
+// q [N, H, Dk]; k_cache [P, page_size, Hkv, >= Dk] and v_cache [P, page_size, Hkv, >= Dv] with
+// unit stride in the last dim (a view of the k rows for the MLA latent layout); pages [N, W]
+// int64 (entries past a sequence's keys are never read); lens [N] int64 keys per sequence.
+// Returns o [N, H, Dv] fp32.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& pages, const at::Tensor& lens, double scale, int64_t dv) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [N,H,Dk], caches [P,S,Hkv,D]");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "cache rows need unit stride");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the caches share one dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "Hkv must divide H");
+  auto qc = q.contiguous();
+  auto pc = pages.contiguous();
+  auto lc = lens.contiguous();
+  auto out = at::empty({q.size(0), q.size(1), dv}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_decode",
+                                 [&] { decode<scalar_t>(qc, k_cache, v_cache, pc, lc, scale, out); });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }

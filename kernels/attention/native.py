@@ -1,0 +1,49 @@
+"""The compiled CPU decode-attention kernel (cpu_decode.cpp), built on first use.
+
+`torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
+TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) with the machine's own vector
+instructions (-ffast-math at compile time only: vector exp and reassociated sums; the link
+does not set the process's flush-to-zero mode). Where it cannot be built (no compiler, no
+ninja) or HYBRIDSERVE_NATIVE=0, `paged_decode()` returns None and callers run the torch
+formulation, which computes the same.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+
+
+@functools.cache
+def extension():
+    """The built module, or None (the reason is logged once)."""
+    if os.environ.get("HYBRIDSERVE_NATIVE", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the ninja package's binary, outside PATH in a venv not activated
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+        return load(name="hybridserve_cpu_decode", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # a missing compiler or ninja shows up as several exception types
+        log.warning("CPU decode-attention kernel not built (%s); using the torch path", e)
+        return None
+
+
+def paged_decode(q, k_cache, v_cache, page_table, lens, scale: float, dv: int) -> torch.Tensor | None:
+    """o [N, H, Dv] fp32 for one query per sequence, or None where the kernel cannot run."""
+    ext = extension() if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) else None
+    if ext is None:
+        return None
+    return ext.paged_decode(q, k_cache, v_cache, page_table, lens, scale, dv)
