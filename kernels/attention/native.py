@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -34,8 +35,12 @@ def extension():
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-        return load(name="hybridserve_cpu_decode", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        t0 = time.perf_counter()
+        module = load(name="hybridserve_cpu_decode", sources=[str(SOURCE)],
+                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        log.info("CPU decode-attention kernel ready in %.1f s (built once per machine, then loaded)",
+                 time.perf_counter() - t0)
+        return module
     except Exception as e:  # a missing compiler or ninja shows up as several exception types
         log.warning("CPU decode-attention kernel not built (%s); using the torch path", e)
         return None
