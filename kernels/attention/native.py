@@ -1,4 +1,5 @@
-"""The compiled CPU decode-attention kernel (cpu_decode.cpp), built on first use.
+"""The compiled CPU decode kernels (cpu_decode.cpp: paged decode attention and the delta-rule
+decode step), built on first use.
 
 `torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) with the machine's own vector
@@ -52,3 +53,13 @@ def paged_decode(q, k_cache, v_cache, page_table, lens, scale: float, dv: int) -
     if ext is None:
         return None
     return ext.paged_decode(q, k_cache, v_cache, page_table, lens, scale, dv)
+
+
+def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | None:
+    """One delta-rule token per sequence, states updated in place in `state[slots]` (fp32);
+    o [N, HV, V] fp32, or None where the kernel cannot run (the caller gathers and steps)."""
+    ext = extension() if state.device.type == "cpu" and state.dtype == torch.float32 else None
+    if ext is None:
+        return None
+    f = [x.float().contiguous() for x in (q, k, v, g, beta)]
+    return ext.delta_step(*f, state, slots, scale)

@@ -6,6 +6,7 @@ from typing import Callable
 import torch
 
 import kernels
+from kernels.attention import native
 from models.batch import ForwardBatch
 
 # prefill(rows, initial [Np, ...], cu_seqlens [Np+1], checkpoint_at [C] | None)
@@ -15,28 +16,38 @@ Prefill = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor | None], tup
 Decode = Callable[[slice, torch.Tensor], tuple]
 
 
-def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, decode: Decode) -> torch.Tensor:
+# decode_in_place(rows, state, slots [Nd]) -> out, with the states advanced in their slots; or
+#   None where it cannot run (then `decode` runs on gathered states)
+InPlace = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor | None]
+
+
+def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, decode: Decode,
+                   decode_in_place: InPlace | None = None) -> torch.Tensor:
     """Run `prefill` on the prefill segments and `decode` on the decode rows.
 
-    Each segment starts from the state in its slot (zeros when prefix_len == 0). Afterwards
-    every segment's final state is in its slot (in place, in the slot's dtype) and every
-    requested checkpoint state is in its checkpoint slot. Returns the outputs in packing order.
+    Each segment starts from the state in its slot (zeros when prefix_len == 0; decode rows
+    always have a prefix). Afterwards every segment's final state is in its slot (in place,
+    in the slot's dtype) and every requested checkpoint state is in its checkpoint slot.
+    Returns the outputs in packing order.
     """
     slots = batch.state_slots
-    init = state[slots]  # [N, ...] (a copy)
-    init[batch.prefix_lens == 0] = 0
     n_pre, t_pre = batch.num_prefills, batch.num_prefill_tokens
     outs = []
     if n_pre:  # prefill
+        init = state[slots[:n_pre]]  # [Np, ...] (a copy)
+        init[batch.prefix_lens[:n_pre] == 0] = 0
         ck = batch.checkpoint_at if batch.checkpoint_at.numel() else None
-        out, final, *ck_states = prefill(slice(0, t_pre), init[:n_pre], batch.cu_seqlens[: n_pre + 1], ck)
+        out, final, *ck_states = prefill(slice(0, t_pre), init, batch.cu_seqlens[: n_pre + 1], ck)
         state[slots[:n_pre]] = final.to(state.dtype)
         if ck is not None:
             state[batch.checkpoint_slots] = ck_states[0].to(state.dtype)
         outs.append(out)
     if batch.num_decodes:  # decode
-        out, final = decode(slice(t_pre, batch.num_tokens), init[n_pre:])
-        state[slots[n_pre:]] = final.to(state.dtype)
+        rows = slice(t_pre, batch.num_tokens)
+        out = decode_in_place(rows, state, slots[n_pre:]) if decode_in_place else None
+        if out is None:
+            out, final = decode(rows, state[slots[n_pre:]])
+            state[slots[n_pre:]] = final.to(state.dtype)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -56,11 +67,17 @@ def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight
 
 def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, beta) -> torch.Tensor:
     """The KDA / GDN recurrence (`kind`: "kda" or "gdn") over the batch with its states in
-    slots: chunkwise kernel for the prefill segments, step kernel for the decode rows."""
+    slots: chunkwise kernel for the prefill segments; for the decode rows the compiled CPU
+    step that updates the slots in place (kernels/attention/native.py), else the step kernel."""
     chunk, step = kernels.get(f"{kind}_prefill", q.device), kernels.get(f"{kind}_decode", q.device)
 
     def args(r):
         return q[r], k[r], v[r], g[r], beta[r]
+
+    def in_place(r, st, slots):
+        g_r = g[r] if g.dim() == 3 else g[r][..., None]  # GDN: one decay per value head
+        o = native.delta_step(q[r], k[r], v[r], g_r, beta[r], st, slots, q.shape[-1] ** -0.5)
+        return None if o is None else o.to(v.dtype)
 
     return run_with_state(
         batch,
@@ -69,4 +86,5 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
                                     checkpoint_at=ck),
         lambda r, s0: step(*args(r), initial_state=s0, output_final_state=True,
                            cu_seqlens=torch.arange(r.stop - r.start + 1, device=q.device)),
+        in_place,
     )

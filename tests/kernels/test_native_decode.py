@@ -1,6 +1,7 @@
 """The compiled CPU decode kernel equals the torch decode formulation it replaces."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.attention import native
 from kernels.attention.kv import read_kv
@@ -40,3 +41,27 @@ def test_decode_falls_back_to_torch(monkeypatch):
     monkeypatch.setattr("kernels.attention.torch.paged_decode", lambda *a: None)
     without = decode(b.q, b.k_cache, b.v_cache, b.page_table, seq_lens, 0.25, 16)
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_delta_step_updates_slots_in_place(gate):
+    """The compiled delta-rule step equals the torch step (kernels/kda/recurrent.py) on the
+    states of the named slots, writes them in place, and leaves every other slot as it was."""
+    from kernels.kda.recurrent import delta_step
+
+    gen = torch.Generator().manual_seed(1)
+    n, h, hv, k_dim, v_dim = 5, 2, 4, 16, 8
+    q, k = (F.normalize(torch.randn(n, h, k_dim, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(n, hv, v_dim, generator=gen)
+    g = -torch.rand(n, hv, k_dim if gate == "kda" else 1, generator=gen)
+    beta = torch.rand(n, hv, generator=gen)
+    state = torch.randn(10, hv, k_dim, v_dim, generator=gen)
+    slots = torch.tensor([3, 7, 0, 9, 4])
+    want_o, want_s = delta_step(q, k, v, g, beta, k_dim**-0.5, state[slots])
+    after = state.clone()
+    o = native.delta_step(q, k, v, g, beta, after, slots, k_dim**-0.5)
+    torch.testing.assert_close(o, want_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after[slots], want_s, rtol=1e-5, atol=1e-5)
+    others = [i for i in range(10) if i not in slots.tolist()]
+    assert torch.equal(after[others], state[others])
