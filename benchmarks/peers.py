@@ -265,7 +265,8 @@ def bench_command(url: str, path: Path, args, seed: int, out: Path) -> list[str]
 
 def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:
     """One engine's server, warmed up on a short prompt, then `--repeats` client runs (seed i:
-    new prompts, so no run finds another's prefix cached); the metrics of the fastest run."""
+    new prompts, so no run finds another's prefix cached); the metrics of the fastest run and
+    the share of the CPUs others used while the server ran."""
     import httpx
 
     from benchmarks.soak_server import free_port, wait_up
@@ -273,6 +274,7 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
     port = free_port()
     url, log = f"http://127.0.0.1:{port}", scratch / f"{engine}-server.log"
     env = threads_env(args.threads)
+    since, ours = cpu_ticks(), children_cpu_s()
     with open(log, "w") as f:
         proc = subprocess.Popen(server_command(engine, row, path, port, args, profile), stdout=f,
                                 stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
@@ -296,8 +298,10 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    others = others_share(since, children_cpu_s() - ours)  # over the server's whole life
+    print(f"  {row.label} | {engine} server: others' CPU share {others:.0%}", flush=True)
     best = min(runs, key=lambda r: r["duration"])
-    return {k: best[k] for k in SERVE_METRICS} | {"durations": [r["duration"] for r in runs]}
+    return {k: best[k] for k in SERVE_METRICS} | {"durations": [r["duration"] for r in runs], "others_share": others}
 
 
 def serve_row(row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:

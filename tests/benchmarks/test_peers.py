@@ -93,6 +93,25 @@ def test_table_without_vllm_marks_its_columns():
     assert lines[3] == "| r | 2.00 | 1.00 | 128 | 256 | 0.50x | 3/4 identical, 0.90 to first divergence |"
 
 
+def test_served_workload_mirrors_the_offline_one():
+    """vllm bench serve gets the shared prefix and own tokens as offline, no ready check (it would
+    fill the prefix cache), and each repeat's seed."""
+    args = peers.parse_args([*SMALL, "--vllm-python", "python"])
+    cmd = peers.bench_command("http://127.0.0.1:1", Path("m"), args, 2, Path("out/r.json"))
+    flags = dict(zip(cmd, cmd[1:]))
+    lengths = [flags[f"--random-{k}-len"] for k in ("prefix", "input", "output")]
+    assert lengths == ["32", "16", "4"]
+    assert flags["--num-prompts"] == "4" and flags["--seed"] == "2" and flags["--ready-check-timeout-sec"] == "0"
+
+
+def test_serve_table_ratios():
+    """The served table's last line per row is our speed over vLLM's for every metric."""
+    metrics = dict.fromkeys(peers.SERVE_METRICS, 2.0)
+    row = {"row": "r", "hybridserve": metrics, "vllm": metrics, "speed": dict.fromkeys(peers.SERVE_METRICS, 0.5)}
+    lines = peers.serve_table([row]).splitlines()
+    assert len(lines) == 5 and lines[-1] == "| r | hybridserve speed / vLLM |" + " 0.50x |" * 6
+
+
 def test_peer_vllm_imports_nothing_from_this_repository():
     """peer_vllm.py runs under vLLM's python, which does not have this repository's packages."""
     tree = ast.parse((Path(peers.HERE) / "peer_vllm.py").read_text())
