@@ -95,10 +95,10 @@ def workload(args: argparse.Namespace) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     """Our side of one measurement (the twin of peer_vllm.py's worker); prints one JSON line."""
+    from hybridserve import LLM, SamplingParams  # isort: skip  (first: the OpenMP wait policy, before torch)
     import torch
 
     torch.set_num_threads(args.threads)
-    from hybridserve import LLM, SamplingParams
 
     work = json.loads(Path(args.workload).read_text())
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_cache=args.prefix_cache == "on",
