@@ -136,6 +136,23 @@ def children_cpu_s() -> float:
     return use.ru_utime + use.ru_stime
 
 
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds so far of a live process and its live descendants (/proc; 0 without it). A
+    server's tree: its children are not waited for until it exits, and some never are."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu s)
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, (parent, _) in stats.items() if parent in tree} - tree
+        tree, grew = tree | more, bool(more)
+    return sum(stats[pid][1] for pid in tree if pid in stats)
+
+
 def others_share(since: tuple[int, int], ours_s: float = 0.0) -> float:
     """Share of the machine's CPU time since `since` (cpu_ticks()) that others used: busy minus `ours_s`."""
     (all0, busy0), (all1, busy1) = since, cpu_ticks()
@@ -265,8 +282,8 @@ def bench_command(url: str, path: Path, args, seed: int, out: Path) -> list[str]
 
 def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:
     """One engine's server, warmed up on a short prompt, then `--repeats` client runs (seed i:
-    new prompts, so no run finds another's prefix cached); the metrics of the fastest run and
-    the share of the CPUs others used while the server ran."""
+    new prompts, so no run finds another's prefix cached); the metrics of the fastest run, and
+    every run's duration and share of the CPUs others used during it."""
     import httpx
 
     from benchmarks.soak_server import free_port, wait_up
@@ -274,7 +291,6 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
     port = free_port()
     url, log = f"http://127.0.0.1:{port}", scratch / f"{engine}-server.log"
     env = threads_env(args.threads)
-    since, ours = cpu_ticks(), children_cpu_s()
     with open(log, "w") as f:
         proc = subprocess.Popen(server_command(engine, row, path, port, args, profile), stdout=f,
                                 stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
@@ -286,11 +302,14 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
         for seed in range(args.repeats):
             wait_quiet(args.quiet_wait)
             out = scratch / f"{engine}-bench-{seed}.json"
+            since, server_s, client_s = cpu_ticks(), tree_cpu_s(proc.pid), children_cpu_s()
             with open(scratch / "bench.log", "a") as f:
                 subprocess.run(bench_command(url, path, args, seed, out), stdout=f, stderr=subprocess.STDOUT,
                                check=True, env=env, cwd=scratch)
-            runs.append(json.loads(out.read_text()))
-            print(f"  {row.label} | {engine} served run {seed + 1}: {runs[-1]['duration']:.2f} s", flush=True)
+            ours = tree_cpu_s(proc.pid) - server_s + children_cpu_s() - client_s
+            runs.append(json.loads(out.read_text()) | {"others_share": others_share(since, ours)})
+            print(f"  {row.label} | {engine} served run {seed + 1}: {runs[-1]['duration']:.2f} s (others' CPU "
+                  f"share: {runs[-1]['others_share']:.0%})", flush=True)
     finally:
         proc.terminate()
         try:
@@ -298,10 +317,9 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    others = others_share(since, children_cpu_s() - ours)  # over the server's whole life
-    print(f"  {row.label} | {engine} server: others' CPU share {others:.0%}", flush=True)
     best = min(runs, key=lambda r: r["duration"])
-    return {k: best[k] for k in SERVE_METRICS} | {"durations": [r["duration"] for r in runs], "others_share": others}
+    every = [{k: r[k] for k in ("duration", "others_share")} for r in runs]
+    return {k: best[k] for k in (*SERVE_METRICS, "others_share")} | {"runs": every}
 
 
 def serve_row(row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:
