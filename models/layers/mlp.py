@@ -91,7 +91,8 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     cap = int(counts.max())
     if len(experts) * cap <= 2 * t * k and hasattr(experts[0], "parts"):
         w = stack_experts(experts)
-        at = flat[order] * cap + torch.arange(t * k, device=x.device) - (counts.cumsum(0) - counts)[flat[order]]
+        expert = flat[order]  # [T * top_k] expert of each sorted row
+        at = expert * cap + torch.arange(t * k, device=x.device) - (counts.cumsum(0) - counts)[expert]
         padded = rows.new_zeros(len(experts) * cap, rows.shape[1]).index_copy_(0, at, rows)
         padded = padded.view(len(experts), cap, -1)  # [E, cap, D]: expert e's rows, zero-padded
         up = _bmm(padded, w.up, w.up_bias)
