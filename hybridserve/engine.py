@@ -14,7 +14,7 @@ from hybridserve.host import keep_freed_memory
 from hybridserve.outputs import Detokenizer, RequestOutput
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
-from kernels.attention import native
+from kernels import native
 from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
 from models.loader import load_model

@@ -1,4 +1,4 @@
-// CPU decode kernels, built and called by kernels/attention/native.py:
+// CPU decode kernels, built and called by kernels/native.py:
 // - paged_decode: attention over a paged KV cache, one query per sequence, read straight from
 //   the pages (no gathered copy of the keys), fp32 accumulation, parallel over sequences; the
 //   contract of kernels/attention/torch.py's `paged_attention` for rows with one query.
@@ -156,9 +156,4 @@ at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode);
-  m.def("delta_step", &delta_step);
 }

@@ -6,7 +6,7 @@ aligns its mask to the top-left, right only when queries and keys coincide), els
 explicit causal mask, long query blocks cut into pieces of Q_BLOCK queries so the mask and
 scores stay bounded.
 
-Decode (one query per sequence) runs the compiled kernel of kernels/attention/native.py,
+Decode (one query per sequence) runs the compiled kernel of kernels/native.py,
 which reads the pages in place with fp32 accumulation; where it is not built, one batched
 matmul pair per KV head over the gathered pages in the cache dtype (BLAS accumulates in
 fp32) with an fp32 softmax. o is in q's dtype.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.kv import check_paged_args, query_lens, read_kv
-from kernels.attention.native import paged_decode
+from kernels.native import paged_decode
 
 Q_BLOCK = 1024
 
@@ -77,7 +77,7 @@ def paged_attention(
 
 def decode(q, k_cache, v_cache, page_table, lens, scale, dv):
     """One query per sequence: q [n, H, Dk], page_table [n, P], lens [n] -> o [n, H, Dv] fp32.
-    The compiled kernel reads the pages in place where it is built (kernels/attention/native.py);
+    The compiled kernel reads the pages in place where it is built (kernels/native.py);
     otherwise the pages are gathered and `_decode` runs."""
     v_rows = k_cache if v_cache is None else v_cache  # MLA latent: values are the first Dv channels of k
     if q.dtype == k_cache.dtype == v_rows.dtype:

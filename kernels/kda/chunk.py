@@ -9,11 +9,14 @@ cumulative log decay (see naive.py for the per-token rule):
 All but the D / S1 recurrence is batched over chunks. Chunks are processed in blocks of
 BLOCK (see layout.py) so that the intermediates stay in cache and memory stays O(N + BLOCK)
 states; a checkpoint state is copied out as the recurrence passes it (no recomputation).
+Where the compiled CPU kernels are built (kernels/native.py), the same rule runs there instead:
+one job per (sequence, value head), the chunks in order, nothing gathered or padded.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels import native
 from kernels.kda.common import check_checkpoints, check_inputs, seq_bounds
 from kernels.kda.intra import MIN_LOG_DECAY, intra_chunk, unit_lower_inverse
 from kernels.kda.layout import Block, ChunkLayout
@@ -41,6 +44,11 @@ def chunk_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
     HV, V = v.shape[1:]
     scale = K ** -0.5 if scale is None else scale
     cu = seq_bounds(cu_seqlens, T)
+    compiled = _compiled(q, k, v, g, beta, scale, initial_state, cu, checkpoint_at)
+    if compiled is not None:
+        o, final, states = compiled
+        final = final if output_final_state else None
+        return (o, final) if checkpoint_at is None else (o, final, states)
     layout = ChunkLayout.build(cu, q.device)
     N = len(cu) - 1
     S = (q.new_zeros(N, HV, K, V, dtype=torch.float32) if initial_state is None
@@ -62,6 +70,24 @@ def chunk_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
         layout.scatter(block, y, o)
     final = S[layout.rank] if output_final_state else None
     return (o, final) if checkpoint_at is None else (o, final, states)
+
+
+def _compiled(q, k, v, g, beta, scale, initial_state, cu, checkpoint_at):
+    """(o, final, states) from the compiled kernel, or None where it is not built."""
+    T, _, K = q.shape
+    HV, V = v.shape[1:]
+    N = len(cu) - 1
+    S = (q.new_zeros(N, HV, K, V, dtype=torch.float32) if initial_state is None
+         else initial_state.float().clone(memory_format=torch.contiguous_format))
+    rows = torch.zeros(0, 2, dtype=torch.int64)
+    if checkpoint_at is not None:
+        cp = check_checkpoints(checkpoint_at, cu)
+        rows = torch.stack([cp.seq, cp.length], dim=1)
+    out = native.chunk_delta_rule(q, k, v, g, beta, S, torch.tensor(cu), rows, scale, MIN_LOG_DECAY)
+    if out is None:
+        return None
+    o, states = out
+    return o.to(v.dtype), S, states
 
 
 def _block(block: Block, kq, v, G, beta, S, scale, captures, states):

@@ -6,7 +6,7 @@ from typing import Callable
 import torch
 
 import kernels
-from kernels.attention import native
+from kernels import native
 from models.batch import ForwardBatch
 
 # prefill(rows, initial [Np, ...], cu_seqlens [Np+1], checkpoint_at [C] | None)
@@ -68,7 +68,7 @@ def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight
 def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, beta) -> torch.Tensor:
     """The KDA / GDN recurrence (`kind`: "kda" or "gdn") over the batch with its states in
     slots: chunkwise kernel for the prefill segments; for the decode rows the compiled CPU
-    step that updates the slots in place (kernels/attention/native.py), else the step kernel."""
+    step that updates the slots in place (kernels/native.py), else the step kernel."""
     chunk, step = kernels.get(f"{kind}_prefill", q.device), kernels.get(f"{kind}_decode", q.device)
 
     def args(r):

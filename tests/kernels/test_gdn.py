@@ -5,12 +5,15 @@ decays, dtypes, the CUDA path) run for GDN too: they are parametrized in test_kd
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.gdn import chunk_gdn, recurrent_gdn
 from kernels.kda import chunk_kda
 from tests.kernels.fla_interpret import make_inputs
 from tests.utils import import_torch_reference, rel_err
+
+pytestmark = pytest.mark.usefixtures("chunk_impl")  # tests/kernels/conftest.py: compiled and torch
 
 SIZES = dict(H=2, HV=4, K=32, V=16)
 

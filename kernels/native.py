@@ -1,11 +1,12 @@
-"""The compiled CPU decode kernels (cpu_decode.cpp: paged decode attention and the delta-rule
-decode step), built on first use.
+"""The compiled CPU kernels, built on first use: paged decode attention and the delta-rule
+decode step (attention/cpu_decode.cpp), the chunkwise delta-rule prefill of KDA and GDN
+(kda/cpu_chunk.cpp); native.cpp binds them into one module.
 
 `torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) with the machine's own vector
 instructions (-ffast-math at compile time only: vector exp and reassociated sums; the link
 does not set the process's flush-to-zero mode). Where it cannot be built (no compiler, no
-ninja) or HYBRIDSERVE_NATIVE=0, `paged_decode()` returns None and callers run the torch
+ninja) or HYBRIDSERVE_NATIVE=0, each function here returns None and its caller runs the torch
 formulation, which computes the same.
 """
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "kda" / "cpu_chunk.cpp"]
 
 
 @functools.cache
@@ -37,13 +39,13 @@ def extension():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
         t0 = time.perf_counter()
-        module = load(name="hybridserve_cpu_decode", sources=[str(SOURCE)],
+        module = load(name="hybridserve_cpu", sources=[str(p) for p in SOURCES],
                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
-        log.info("CPU decode-attention kernel ready in %.1f s (built once per machine, then loaded)",
+        log.info("CPU kernels ready in %.1f s (built once per machine, then loaded)",
                  time.perf_counter() - t0)
         return module
     except Exception as e:  # a missing compiler or ninja shows up as several exception types
-        log.warning("CPU decode-attention kernel not built (%s); using the torch path", e)
+        log.warning("CPU kernels not built (%s); using the torch path", e)
         return None
 
 
@@ -63,3 +65,16 @@ def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | N
         return None
     f = [x.float().contiguous() for x in (q, k, v, g, beta)]
     return ext.delta_step(*f, state, slots, scale)
+
+
+def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: float, min_log_decay: float):
+    """The chunkwise delta rule (kernels/kda/chunk.py's contract) with `state` [N, HV, K, V] fp32
+    advanced in place from each sequence's initial to its final state; checkpoints [C, 2] int64
+    rows (sequence, tokens consumed). Returns (o [T, HV, V] fp32, states [C, HV, K, V]), or None
+    where the kernel cannot run."""
+    ext = extension() if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) else None
+    if ext is None:
+        return None
+    q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
+    return ext.chunk_delta_rule(q, k, v, g.float().contiguous(), beta.float().contiguous(), state, cu_seqlens,
+                                checkpoints, scale, min_log_decay)

@@ -1,0 +1,267 @@
+// Chunkwise gated delta rule (KDA and GDN prefill) on CPU, built and called by kernels/native.py:
+// the rule of kernels/kda/chunk.py computed per (sequence, value head) job, the state advanced in
+// place. Per 64-token chunk, with S the K x V state at the chunk start and G the in-chunk
+// cumulative log decay (each token's log decay clamped at min_log_decay, as the torch path does):
+//   A_kk[i, j] = sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])         (j < i)
+//   A_qk[i, j] = scale sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])   (j <= i)
+//   [U | W]   = (I + diag(beta) A_kk)^-1 diag(beta) [V | K exp(G)]   (forward substitution)
+//   D = U - W S;   O = scale (Q exp(G)) S + A_qk D;   S = exp(G_last) S + (K exp(G_last - G))^T D
+// Every exp has a non-positive argument, so nothing overflows and nothing needs factoring; the
+// last chunk of a sequence is just shorter (no padding).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int64_t CHUNK = 64;
+constexpr int64_t BLK = 16;  // rows per block of the pair matrices and of the forward substitution
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+struct Sizes {
+  int64_t H, HV, K, V, gK;  // gK: K (KDA, one decay per channel) or 1 (GDN, one per head)
+  float scale, min_log_decay;
+};
+
+// Row-major C [M, N] = alpha op(A) op(B) + beta C through the BLAS torch is built with
+// (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
+// The BLAS sgemm linked into torch (MKL's on x86 builds), declared weak: a torch without it
+// leaves it null and the plain loop below runs (as it does after blas(false), for the tests).
+extern "C" void SGEMM(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                      const int*, const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+
+bool use_blas = true;
+
+void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+        int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (SGEMM && use_blas) {  // column-major C^T = op(B)^T op(A)^T
+    const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
+    SGEMM(tb ? "T" : "N", ta ? "T" : "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+    return;
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    float* Ci = C + i * ldc;
+    for (int64_t j = 0; j < N; ++j) Ci[j] = beta == 0.f ? 0.f : beta * Ci[j];
+    for (int64_t r = 0; r < K; ++r) {
+      const float a = alpha * (ta ? A[r * lda + i] : A[i * lda + r]);
+      if (tb)
+        for (int64_t j = 0; j < N; ++j) Ci[j] += a * B[j * ldb + r];
+      else
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) Ci[j] += a * B[r * ldb + j];
+    }
+  }
+}
+
+// The work buffers of one thread, reused job after job and chunk after chunk.
+struct Scratch {
+  std::vector<float> k, kq, G, kout, A, X, e, R, C;
+  explicit Scratch(const Sizes& s)
+      : k(CHUNK * s.K), kq(2 * CHUNK * s.K), G(CHUNK * s.gK), kout(CHUNK * s.K), A(2 * CHUNK * CHUNK),
+        X(CHUNK * (s.V + s.K)), e(s.K), R(2 * BLK * s.K), C(CHUNK * s.K) {}
+};
+
+template <typename T>
+struct Inputs {
+  const T *q, *k, *v;
+  const float *g, *beta;
+};
+
+// A_kk and A_qk for a decay per channel, in blocks of BLK rows. Inside a diagonal block one exp
+// per pair and channel; below it, for rows i of block [b0, b1) and columns j < b0, the decay
+// splits at token b0 - 1: exp(G_i - G_j) = exp(G_i - G_{b0-1}) exp(G_{b0-1} - G_j), both
+// factors <= 1, so the block is one matmul of scaled rows (a factor that underflows leaves a
+// product below fp32 resolution anyway).
+
+void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64_t c, Scratch& w) {
+  const int64_t K = s.K;
+  float *A_kk = w.A.data(), *A_qk = w.A.data() + c * CHUNK, *e = w.e.data(), *R = w.R.data(), *C = w.C.data();
+  for (int64_t b0 = 0; b0 < c; b0 += BLK) {
+    const int64_t b1 = std::min(c, b0 + BLK), n = b1 - b0;
+    for (int64_t i = b0; i < b1; ++i) {
+      const float *ki = k + i * K, *qi = q + i * K, *Gi = G + i * K;
+      for (int64_t j = b0; j <= i; ++j) {
+        const float *kj = k + j * K, *Gj = G + j * K;
+        float kk = 0.f, qk = 0.f;
+#pragma omp simd
+        for (int64_t d = 0; d < K; ++d) e[d] = std::exp(Gi[d] - Gj[d]) * kj[d];
+#pragma omp simd reduction(+ : kk, qk)
+        for (int64_t d = 0; d < K; ++d) {
+          kk += ki[d] * e[d];
+          qk += qi[d] * e[d];
+        }
+        A_kk[i * CHUNK + j] = kk;
+        A_qk[i * CHUNK + j] = qk * s.scale;
+      }
+    }
+    if (!b0) continue;
+    const float* Gs = G + (b0 - 1) * K;
+    for (int64_t i = b0; i < b1; ++i)  // R: k rows then q rows, decayed to token b0 - 1
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) {
+        const float x = std::exp(G[i * K + d] - Gs[d]);
+        R[(i - b0) * K + d] = k[i * K + d] * x;
+        R[(n + i - b0) * K + d] = q[i * K + d] * x;
+      }
+    for (int64_t j = 0; j < b0; ++j)
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) C[j * K + d] = k[j * K + d] * std::exp(Gs[d] - G[j * K + d]);
+    mm(false, true, n, b0, K, 1.f, R, K, C, K, 0.f, A_kk + b0 * CHUNK, CHUNK);
+    mm(false, true, n, b0, K, s.scale, R + n * K, K, C, K, 0.f, A_qk + b0 * CHUNK, CHUNK);
+  }
+}
+
+// c tokens from packed row t0 of value head hv: outputs to o (fp32 [T, HV, V]), S [K, V] advanced.
+template <typename T>
+void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c, int64_t hv, float* S,
+           Scratch& w) {
+  const int64_t K = s.K, V = s.V, gK = s.gK, h = hv / (s.HV / s.H), VK = V + K;
+  // k [c, K]; kq [2c, K]: rows 0..c K exp(G), rows c..2c Q exp(G) scale; A [2c, CHUNK]: A_kk then A_qk;
+  // X [c, V + K]: [V | K exp(G)], solved in place into [U | W], then [D | W]
+  float *k = w.k.data(), *kq = w.kq.data(), *G = w.G.data(), *kout = w.kout.data(), *A = w.A.data();
+  float *X = w.X.data(), *e = w.e.data();
+  float *kin = kq, *qin = kq + c * K, *A_kk = A, *A_qk = A + c * CHUNK;
+  for (int64_t i = 0; i < c; ++i) {  // load as fp32; G = running sum of the clamped log decays
+    const T* kr = in.k + ((t0 + i) * s.H + h) * K;
+    const T* qr = in.q + ((t0 + i) * s.H + h) * K;
+    const T* vr = in.v + ((t0 + i) * s.HV + hv) * V;
+    const float* gr = in.g + ((t0 + i) * s.HV + hv) * gK;
+    for (int64_t d = 0; d < gK; ++d) G[i * gK + d] = (i ? G[(i - 1) * gK + d] : 0.f) + std::max(gr[d], s.min_log_decay);
+    for (int64_t d = 0; d < K; ++d) {
+      k[i * K + d] = as_float(kr[d]);
+      qin[i * K + d] = as_float(qr[d]);  // raw q until A_qk is formed
+    }
+    for (int64_t d = 0; d < V; ++d) X[i * VK + d] = as_float(vr[d]);
+  }
+  const float* last = G + (c - 1) * gK;
+  if (gK == 1) {  // A = [K; Q] K^T, then each pair's decay exp(G_i - G_j)
+    std::copy(k, k + c * K, kin);
+    mm(false, true, 2 * c, c, K, 1.f, kq, K, k, K, 0.f, A, CHUNK);
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t j = 0; j <= i; ++j) {
+        const float decay = std::exp(G[i] - G[j]);
+        A_kk[i * CHUNK + j] *= decay;
+        A_qk[i * CHUNK + j] *= decay * s.scale;
+      }
+  } else {  // per channel: see pairs()
+    pairs(s, k, qin, G, c, w);
+  }
+  for (int64_t i = 0; i < c; ++i) {  // K exp(G) into X, Q exp(G) scale, K exp(G_last - G)
+    const float* Gi = G + i * gK;
+    for (int64_t d = 0; d < K; ++d) {
+      const float gi = Gi[gK == 1 ? 0 : d], gl = last[gK == 1 ? 0 : d];
+      X[i * VK + V + d] = k[i * K + d] * std::exp(gi);
+      qin[i * K + d] *= std::exp(gi) * s.scale;
+      kout[i * K + d] = k[i * K + d] * std::exp(gl - gi);
+    }
+    std::fill(A_qk + i * CHUNK + i + 1, A_qk + i * CHUNK + c, 0.f);  // causal: A_qk is read whole below
+  }
+  // forward substitution in blocks of BLK rows: X_b = beta_b (X_b - A_kk[b, :b] X_:b), then inside the block
+  for (int64_t b0 = 0; b0 < c; b0 += BLK) {
+    const int64_t b1 = std::min(c, b0 + BLK);
+    if (b0) mm(false, false, b1 - b0, VK, b0, -1.f, A_kk + b0 * CHUNK, CHUNK, X, VK, 1.f, X + b0 * VK, VK);
+    for (int64_t i = b0; i < b1; ++i) {
+      float* Xi = X + i * VK;
+      for (int64_t j = b0; j < i; ++j) {
+        const float a = A_kk[i * CHUNK + j];
+        const float* Xj = X + j * VK;
+#pragma omp simd
+        for (int64_t d = 0; d < VK; ++d) Xi[d] -= a * Xj[d];
+      }
+      const float b = in.beta[(t0 + i) * s.HV + hv];
+#pragma omp simd
+      for (int64_t d = 0; d < VK; ++d) Xi[d] *= b;
+    }
+  }
+  float* oc = o + (t0 * s.HV + hv) * V;
+  const int64_t ldo = s.HV * V;
+  mm(false, false, c, V, K, -1.f, X + V, VK, S, V, 1.f, X, VK);      // D = U - W S
+  mm(false, false, c, V, K, 1.f, qin, K, S, V, 0.f, oc, ldo);        // O = Q exp(G) scale S
+  mm(false, false, c, V, c, 1.f, A_qk, CHUNK, X, VK, 1.f, oc, ldo);  //   + A_qk D
+  for (int64_t r = 0; r < K; ++r) {  // S = exp(G_last) S + (K exp(G_last - G))^T D
+    const float decay = std::exp(last[gK == 1 ? 0 : r]);
+#pragma omp simd
+    for (int64_t d = 0; d < V; ++d) S[r * V + d] *= decay;
+  }
+  mm(true, false, K, V, c, 1.f, kout, K, X, VK, 1.f, S, V);
+}
+
+template <typename T>
+void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_t>& cu, float* state,
+         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* ck_states) {
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1, HV = s.HV, KV = s.K * s.V;
+  std::vector<int64_t> jobs(N * HV);  // longest sequences first, so the last jobs are short
+  std::iota(jobs.begin(), jobs.end(), 0);
+  std::stable_sort(jobs.begin(), jobs.end(), [&](int64_t a, int64_t b) {
+    return cu[a / HV + 1] - cu[a / HV] > cu[b / HV + 1] - cu[b / HV];
+  });
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N * HV);
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch w(s);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < N * HV; ++j) {
+      const int64_t n = jobs[j] / HV, hv = jobs[j] % HV;
+      float* S = state + (n * HV + hv) * KV;
+      const auto& plan = captures[n];
+      size_t next = 0;
+      for (int64_t t = cu[n]; t < cu[n + 1]; t += CHUNK) {
+        const int64_t c = std::min(CHUNK, cu[n + 1] - t);
+        chunk(s, in, o, t, c, hv, S, w);
+        for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
+          std::copy(S, S + KV, ck_states + (plan[next].second * HV + hv) * KV);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q, k [T, H, K] and v [T, HV, V] (fp32 or bf16, one dtype, contiguous); g [T, HV, K or 1] and
+// beta [T, HV] fp32 contiguous; state [N, HV, K, V] fp32 contiguous, each sequence's initial
+// state, advanced in place to its final state; cu_seqlens [N+1] int64; checkpoints [C, 2] int64
+// rows (sequence, tokens of it consumed: a multiple of 64 or its length), sorted by length within
+// a sequence. Returns (o [T, HV, V] fp32, states [C, HV, K, V] fp32 after each checkpoint).
+std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                                    const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
+                                                    double scale, double min_log_decay) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "chunk_delta_rule: contiguous q, k, v");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v share one dtype");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &state})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "chunk_delta_rule: contiguous fp32 g, beta, state");
+  const int64_t T = q.size(0), HV = v.size(1), K = q.size(2), V = v.size(2);
+  const Sizes s{q.size(1), HV, K, V, g.size(2), static_cast<float>(scale), static_cast<float>(min_log_decay)};
+  auto cu_t = cu_seqlens.to(at::kLong).contiguous();
+  std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
+  TORCH_CHECK(state.size(0) == static_cast<int64_t>(cu.size()) - 1 && state.size(1) == HV && state.size(2) == K &&
+                  state.size(3) == V, "state [N, HV, K, V]");
+  auto ck = checkpoints.to(at::kLong).contiguous();
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> captures(cu.size() - 1);
+  const int64_t* ckp = ck.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ck.size(0); ++i) captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
+  for (auto& plan : captures) std::sort(plan.begin(), plan.end());
+  auto out = at::empty({T, HV, V}, v.options().dtype(at::kFloat));
+  auto states = at::empty({ck.size(0), HV, K, V}, state.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_delta_rule", [&] {
+    const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
+                              g.data_ptr<float>(), beta.data_ptr<float>()};
+    run(s, in, out.data_ptr<float>(), cu, state.data_ptr<float>(), captures, states.data_ptr<float>());
+  });
+  return {out, states};
+}
+
+// Whether the chunk kernel's matmuls go to torch's BLAS (when it has one); returns the old setting.
+bool chunk_blas(bool on) {
+  const bool old = use_blas;
+  use_blas = on;
+  return old;
+}
