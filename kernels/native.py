@@ -1,6 +1,7 @@
 """The compiled CPU kernels, built on first use: paged decode attention and the delta-rule
 decode step (attention/cpu_decode.cpp), the chunkwise delta-rule prefill of KDA and GDN
-(kda/cpu_chunk.cpp); native.cpp binds them into one module.
+(kda/cpu_chunk.cpp) and the causal conv1d prefill (conv1d/cpu_conv.cpp); native.cpp binds
+them into one module.
 
 `torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) with the machine's own vector
@@ -22,7 +23,8 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "kda" / "cpu_chunk.cpp"]
+SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "kda" / "cpu_chunk.cpp",
+           HERE / "conv1d" / "cpu_conv.cpp"]
 
 
 @functools.cache
@@ -78,3 +80,16 @@ def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: fl
     q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
     return ext.chunk_delta_rule(q, k, v, g.float().contiguous(), beta.float().contiguous(), state, cu_seqlens,
                                 checkpoints, scale, min_log_decay)
+
+
+def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
+    """kernels/conv1d/torch.py's causal_conv1d with state [N, D, W-1] fp32 (initial conv states)
+    and at_rows [C, 2] int64 (sequence, tokens consumed). Returns (y [T, D] in x's dtype,
+    states [N + C, D, W-1] fp32: the final states, then those at at_rows), or None where the
+    kernel cannot run."""
+    ext = extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    if ext is None:
+        return None
+    empty = weight.new_empty(0, dtype=torch.float32)
+    return ext.causal_conv1d(x.contiguous(), weight.float(), empty if bias is None else bias.float(), state,
+                             cu_seqlens, at_rows, silu)

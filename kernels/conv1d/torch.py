@@ -8,6 +8,9 @@ initial conv state, so no window ever reaches into the previous sequence:
 
 Token t of sequence n sits at ext row t + (n+1)(W-1); the conv state at packed position p
 of sequence n is ext rows [p + n(W-1), p + (n+1)(W-1)).
+
+Where the compiled CPU kernels are built (kernels/native.py), the prefill runs in
+conv1d/cpu_conv.cpp instead (the same windows read in place, no extended copy).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.mamba2.varlen import locate_checkpoints, seq_bounds
 
 ACTIVATIONS = (None, "silu")
@@ -93,6 +97,9 @@ def causal_conv1d(
     states [C, D, W-1] with checkpoint_at; states are in conv_state's dtype (x's if None).
     """
     check_conv_args(x, weight, bias, activation)
+    compiled = _compiled(x, weight, bias, conv_state, cu_seqlens, activation, checkpoint_at)
+    if compiled is not None:
+        return compiled
     W = weight.shape[1]
     ext = extend(x, conv_state, cu_seqlens, W, torch.float32)
     w = weight.float()
@@ -107,6 +114,29 @@ def causal_conv1d(
         y = F.silu(y)
     state_dtype = x.dtype if conv_state is None else conv_state.dtype
     return finish(ext, y.to(x.dtype), W, state_dtype, checkpoint_at)
+
+
+def _compiled(x, weight, bias, conv_state, cu_seqlens, activation, checkpoint_at):
+    """causal_conv1d's returns from the compiled kernel, or None where it is not built."""
+    T, D = x.shape
+    W = weight.shape[1]
+    cu = seq_bounds(cu_seqlens, T, x.device)
+    N = cu.numel() - 1
+    if conv_state is not None and conv_state.shape != (N, D, W - 1):
+        raise ValueError(f"conv_state must be [N, D, W-1] = {(N, D, W - 1)}, got {tuple(conv_state.shape)}")
+    state = (x.new_zeros(N, D, W - 1, dtype=torch.float32) if conv_state is None
+             else conv_state.float().contiguous())
+    rows = torch.zeros(0, 2, dtype=torch.int64)
+    if checkpoint_at is not None:
+        where = locate_checkpoints(checkpoint_at, cu)
+        rows = torch.stack([where.seq, where.offset], dim=1)
+    out = native.causal_conv1d(x, weight, bias, state, cu, rows, activation == "silu")
+    if out is None:
+        return None
+    y, states = out
+    state_dtype = x.dtype if conv_state is None else conv_state.dtype
+    final = states[:N].to(state_dtype)
+    return (y, final) if checkpoint_at is None else (y, final, states[N:].to(state_dtype))
 
 
 def causal_conv1d_update(

@@ -13,6 +13,8 @@ from kernels.conv1d import causal_conv1d, causal_conv1d_update, naive_causal_con
 from kernels.conv1d.cuda import cuda_causal_conv1d, cuda_causal_conv1d_update
 from tests.utils import import_torch_reference, rel_err
 
+pytestmark = pytest.mark.usefixtures("prefill_impl")  # tests/kernels/conftest.py: compiled and torch
+
 FP32_TOL = 1e-5
 NEMOTRON_H = "transformers.models.nemotron_h.modeling_nemotron_h"
 

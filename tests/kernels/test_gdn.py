@@ -13,7 +13,7 @@ from kernels.kda import chunk_kda
 from tests.kernels.fla_interpret import make_inputs
 from tests.utils import import_torch_reference, rel_err
 
-pytestmark = pytest.mark.usefixtures("chunk_impl")  # tests/kernels/conftest.py: compiled and torch
+pytestmark = pytest.mark.usefixtures("prefill_impl")  # tests/kernels/conftest.py: compiled and torch
 
 SIZES = dict(H=2, HV=4, K=32, V=16)
 

@@ -28,7 +28,7 @@ KDA = Op("kda", chunk_kda, recurrent_kda, naive_kda, False)
 GDN = Op("gdn", chunk_gdn, recurrent_gdn, naive_gdn, True)
 both_ops = pytest.mark.parametrize("op", [KDA, GDN], ids=lambda op: op.name)
 
-pytestmark = pytest.mark.usefixtures("chunk_impl")  # tests/kernels/conftest.py: compiled and torch
+pytestmark = pytest.mark.usefixtures("prefill_impl")  # tests/kernels/conftest.py: compiled and torch
 SIZES = dict(H=2, HV=4, K=32, V=16)  # GVA: value head h reads q/k head h // 2
 
 

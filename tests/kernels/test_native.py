@@ -100,3 +100,30 @@ def test_chunk_kernel_equals_torch_chunk(op, dtype, blas, monkeypatch):
         assert got.dtype == want.dtype and got.shape == want.shape
         tol = 2e-5 if got.dtype == torch.float32 else 1e-2  # bf16 outputs: one rounding apart at most
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv_kernel_equals_torch_conv(dtype, activation, monkeypatch):
+    """The compiled causal conv1d gives the torch path's outputs, final and checkpoint conv
+    states on a varlen batch whose sequences are shorter than, equal to and longer than the
+    window (the state is read there), with and without bias."""
+    from kernels.conv1d import causal_conv1d
+
+    gen = torch.Generator().manual_seed(3)
+    lengths, D, W = [1, 3, 0, 40, 2], 24, 4
+    x = torch.randn(sum(lengths), D, generator=gen).to(dtype)
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    state = torch.randn(len(lengths), D, W - 1, generator=gen).to(dtype)
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    for b in (bias, None):
+        args = (x, weight, b, state, cu, activation, torch.tensor([1, 2, 4, 10, 44, 46]))
+        compiled = causal_conv1d(*args)
+        with monkeypatch.context() as m:
+            m.setattr(native, "causal_conv1d", lambda *a: None)
+            reference = causal_conv1d(*args)
+        for got, want in zip(compiled, reference):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

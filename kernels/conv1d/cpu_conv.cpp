@@ -1,0 +1,102 @@
+// Causal depthwise conv1d over packed varlen input with conv states (prefill), built and called
+// by kernels/native.py; the contract of kernels/conv1d/torch.py's causal_conv1d. Each token's
+// window reads the tokens before it in its own sequence and, for the first W-1 tokens, the
+// sequence's conv state (the W-1 inputs before it, oldest first). fp32 accumulation; the
+// output is written in the input's dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+// input u of sequence n at offset r from its start (r may be negative, down to -(W-1): the state)
+template <typename T>
+inline float input(const T* x, const float* state, int64_t D, int64_t W, int64_t start, int64_t n, int64_t r,
+                   int64_t d) {
+  return r >= 0 ? as_float(x[(start + r) * D + d]) : state[(n * D + d) * (W - 1) + (W - 1 + r)];
+}
+
+template <typename T>
+void conv(const T* x, const float* wT, const float* bias, const float* state, const std::vector<int64_t>& cu,
+          int64_t D, int64_t W, bool silu, T* y) {
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1, T_ = cu.back();
+  std::vector<int64_t> seq_of(T_);
+  for (int64_t n = 0; n < N; ++n) std::fill(seq_of.begin() + cu[n], seq_of.begin() + cu[n + 1], n);
+  at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = seq_of[t], r = t - cu[n];  // offset in its sequence
+      if (bias)
+        std::copy(bias, bias + D, acc.begin());
+      else
+        std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t w = 0; w < W; ++w) {  // tap w reads offset r - (W-1) + w
+        const int64_t src = r - (W - 1) + w;
+        const float* wr = wT + w * D;
+        if (src >= 0) {
+          const T* xr = x + (cu[n] + src) * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += wr[d] * as_float(xr[d]);
+        } else {
+          for (int64_t d = 0; d < D; ++d) acc[d] += wr[d] * input(x, state, D, W, cu[n], n, src, d);
+        }
+      }
+      T* yr = y + t * D;
+      if (silu)
+        for (int64_t d = 0; d < D; ++d) yr[d] = static_cast<T>(acc[d] / (1.f + std::exp(-acc[d])));
+      else
+        for (int64_t d = 0; d < D; ++d) yr[d] = static_cast<T>(acc[d]);
+    }
+  });
+}
+
+}  // namespace
+
+// x [T, D] (fp32 or bf16, contiguous); weight [D, W] fp32; bias [D] fp32 or empty; state
+// [N, D, W-1] fp32 contiguous (each sequence's initial conv state); cu_seqlens [N+1] int64;
+// at [C, 2] int64 rows (sequence, tokens of it consumed). Returns (y [T, D] in x's dtype,
+// states [N + C, D, W-1] fp32: each sequence's final conv state, then the state at each row of at).
+std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                                 const at::Tensor& state, const at::Tensor& cu_seqlens,
+                                                 const at::Tensor& at_rows, bool silu) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "causal_conv1d: contiguous x [T, D]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && state.scalar_type() == at::kFloat && state.is_contiguous(),
+              "causal_conv1d: fp32 weight and contiguous fp32 state");
+  const int64_t D = x.size(1), W = weight.size(1);
+  auto cu_t = cu_seqlens.to(at::kLong).contiguous();
+  std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1;
+  TORCH_CHECK(state.size(0) == N && state.size(1) == D && state.size(2) == W - 1, "state [N, D, W-1]");
+  auto wT = weight.t().contiguous();  // [W, D]
+  auto b = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
+  auto y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "causal_conv1d", [&] {
+    conv<scalar_t>(x.data_ptr<scalar_t>(), wT.data_ptr<float>(), bias.numel() ? b.data_ptr<float>() : nullptr,
+                   state.data_ptr<float>(), cu, D, W, silu, y.data_ptr<scalar_t>());
+  });
+  auto rows = at_rows.to(at::kLong).contiguous();
+  const int64_t C = rows.size(0);
+  auto states = at::empty({N + C, D, W - 1}, state.options());
+  float* sp = states.data_ptr<float>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv_states", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const float* s0 = state.data_ptr<float>();
+    for (int64_t i = 0; i < N + C; ++i) {  // the W-1 inputs before offset `len` of sequence n
+      const int64_t n = i < N ? i : rp[2 * (i - N)];
+      const int64_t len = i < N ? cu[n + 1] - cu[n] : rp[2 * (i - N) + 1];
+      for (int64_t d = 0; d < D; ++d)
+        for (int64_t j = 0; j < W - 1; ++j)
+          sp[(i * D + d) * (W - 1) + j] = input(xp, s0, D, W, cu[n], n, len - (W - 1) + j, d);
+    }
+  });
+  return {y, states};
+}
