@@ -1,6 +1,42 @@
 // The module of the compiled CPU kernels (kernels/native.py builds it from these sources).
 #include <torch/extension.h>
 
+#include "matmul.h"
+
+// torch's BLAS sgemm, declared weak: a torch built without one leaves it null.
+extern "C" void SGEMM(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
+                      const int*, const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+
+static bool use_blas = true;
+
+void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+        int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (SGEMM && use_blas) {  // column-major C^T = op(B)^T op(A)^T
+    const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
+    SGEMM(tb ? "T" : "N", ta ? "T" : "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
+    return;
+  }
+  for (int64_t i = 0; i < M; ++i) {
+    float* Ci = C + i * ldc;
+    for (int64_t j = 0; j < N; ++j) Ci[j] = beta == 0.f ? 0.f : beta * Ci[j];
+    for (int64_t r = 0; r < K; ++r) {
+      const float a = alpha * (ta ? A[r * lda + i] : A[i * lda + r]);
+      if (tb)
+        for (int64_t j = 0; j < N; ++j) Ci[j] += a * B[j * ldb + r];
+      else
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) Ci[j] += a * B[r * ldb + j];
+    }
+  }
+}
+
+// Whether mm goes to torch's BLAS (when it has one); returns the old setting.
+static bool matmul_blas(bool on) {
+  const bool old = use_blas;
+  use_blas = on;
+  return old;
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& pages, const at::Tensor& lens, double scale, int64_t dv);
 at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -9,7 +45,10 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const a
                                                     const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
                                                     const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
                                                     double scale, double min_log_decay);
-bool chunk_blas(bool on);
+std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                                             const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
+                                             at::Tensor& state, const at::Tensor& cu_seqlens,
+                                             const at::Tensor& checkpoints, int64_t chunk_size);
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,
                                                  const at::Tensor& at_rows, bool silu);
@@ -18,6 +57,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "attention decode over paged KV (kernels/attention/cpu_decode.cpp)");
   m.def("delta_step", &delta_step, "KDA / GDN decode step, states in place (kernels/attention/cpu_decode.cpp)");
   m.def("chunk_delta_rule", &chunk_delta_rule, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
+  m.def("chunk_ssd", &chunk_ssd, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
   m.def("causal_conv1d", &causal_conv1d, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
-  m.def("chunk_blas", &chunk_blas, "chunk_delta_rule's matmuls through torch's BLAS (true) or plain loops");
+  m.def("matmul_blas", &matmul_blas, "the kernels' matmuls through torch's BLAS (true) or plain loops");
 }

@@ -1,7 +1,8 @@
 """The compiled CPU kernels, built on first use: paged decode attention and the delta-rule
 decode step (attention/cpu_decode.cpp), the chunkwise delta-rule prefill of KDA and GDN
-(kda/cpu_chunk.cpp) and the causal conv1d prefill (conv1d/cpu_conv.cpp); native.cpp binds
-them into one module.
+(kda/cpu_chunk.cpp), the Mamba2 SSD prefill (mamba2/cpu_ssd.cpp) and the causal conv1d
+prefill (conv1d/cpu_conv.cpp); native.cpp binds them into one module (matmul.h: the small
+matmul they share).
 
 `torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) with the machine's own vector
@@ -24,7 +25,7 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "kda" / "cpu_chunk.cpp",
-           HERE / "conv1d" / "cpu_conv.cpp"]
+           HERE / "mamba2" / "cpu_ssd.cpp", HERE / "conv1d" / "cpu_conv.cpp"]
 
 
 @functools.cache
@@ -93,3 +94,16 @@ def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
     empty = weight.new_empty(0, dtype=torch.float32)
     return ext.causal_conv1d(x.contiguous(), weight.float(), empty if bias is None else bias.float(), state,
                              cu_seqlens, at_rows, silu)
+
+
+def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int):
+    """kernels/mamba2/chunk.py's chunk_ssd with `state` [N, H, P, S] fp32 advanced in place from
+    the initial to the final states; checkpoints [C, 2] int64 rows (sequence, tokens consumed).
+    Returns (y [T, H, P] in x's dtype, states [C, H, P, S]), or None where the kernel cannot run."""
+    ext = extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
+    if ext is None:
+        return None
+    x, B, C = (t.to(x.dtype).contiguous() for t in (x, B, C))
+    empty = A.new_empty(0, dtype=torch.float32)
+    return ext.chunk_ssd(x, dt.float().contiguous(), A.float().contiguous(), B, C,
+                         empty if D is None else D.float(), state, cu_seqlens, checkpoints, chunk_size)

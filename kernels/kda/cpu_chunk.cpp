@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../matmul.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -33,34 +35,6 @@ struct Sizes {
 
 // Row-major C [M, N] = alpha op(A) op(B) + beta C through the BLAS torch is built with
 // (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
-// The BLAS sgemm linked into torch (MKL's on x86 builds), declared weak: a torch without it
-// leaves it null and the plain loop below runs (as it does after blas(false), for the tests).
-extern "C" void SGEMM(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
-                      const int*, const float*, const int*, const float*, float*, const int*) __attribute__((weak));
-
-bool use_blas = true;
-
-void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
-        int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (SGEMM && use_blas) {  // column-major C^T = op(B)^T op(A)^T
-    const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
-    SGEMM(tb ? "T" : "N", ta ? "T" : "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
-    return;
-  }
-  for (int64_t i = 0; i < M; ++i) {
-    float* Ci = C + i * ldc;
-    for (int64_t j = 0; j < N; ++j) Ci[j] = beta == 0.f ? 0.f : beta * Ci[j];
-    for (int64_t r = 0; r < K; ++r) {
-      const float a = alpha * (ta ? A[r * lda + i] : A[i * lda + r]);
-      if (tb)
-        for (int64_t j = 0; j < N; ++j) Ci[j] += a * B[j * ldb + r];
-      else
-#pragma omp simd
-        for (int64_t j = 0; j < N; ++j) Ci[j] += a * B[r * ldb + j];
-    }
-  }
-}
-
 // The work buffers of one thread, reused job after job and chunk after chunk.
 struct Scratch {
   std::vector<float> k, kq, G, kout, A, X, e, R, C;
@@ -259,9 +233,3 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const a
   return {out, states};
 }
 
-// Whether the chunk kernel's matmuls go to torch's BLAS (when it has one); returns the old setting.
-bool chunk_blas(bool on) {
-  const bool old = use_blas;
-  use_blas = on;
-  return old;
-}

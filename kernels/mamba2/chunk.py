@@ -4,6 +4,8 @@ Each sequence is cut into chunks of `chunk_size` tokens counted from its own sta
 chunk padded with dt = 0, which neither decays nor feeds the state). Inside a chunk the
 output is a masked matmul with decays exp(segment sums); between chunks one loop carries the
 state, batched over sequences. The chunk-entry states it keeps are the checkpoints.
+Where the compiled CPU kernels are built (kernels/native.py), the same rule runs in
+mamba2/cpu_ssd.cpp instead: one job per (sequence, head), chunks in order, state in place.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import native
 from kernels.mamba2.varlen import locate_checkpoints, seq_bounds
 
 CHUNK_SIZE = 128  # NemotronH's `chunk_size` (mamba_chunk_size) default
@@ -87,6 +90,11 @@ def chunk_ssd(
     check_ssd_args(x, dt, A, B, C, D, initial_state, N)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    compiled = _compiled(x, dt, A, B, C, D, initial_state, cu, checkpoint_at, chunk_size)
+    if compiled is not None:
+        out, final, states = compiled
+        result = (out, final if output_final_state else None)
+        return result if checkpoint_at is None else result + (states,)
     lay = chunk_layout(cu, chunk_size)
     NC, L = lay.valid.shape
     gather = lambda t: t.float().index_select(0, lay.index).view(NC, L, *t.shape[1:])  # noqa: E731
@@ -125,6 +133,23 @@ def chunk_ssd(
     chunk = (lay.first[where.seq] + where.offset // chunk_size).clamp(max=max(NC - 1, 0))  # entered at p
     at_chunk, at_final = entry.index_select(0, chunk), final.index_select(0, where.seq)
     return result + (torch.where(at_end[:, None, None, None], at_final, at_chunk),)
+
+
+def _compiled(x, dt, A, B, C, D, initial_state, cu, checkpoint_at, chunk_size):
+    """(y, final, states) from the compiled kernel, or None where it is not built."""
+    T, H, P = x.shape
+    N, S = cu.numel() - 1, B.shape[2]
+    state = (x.new_zeros(N, H, P, S, dtype=torch.float32) if initial_state is None
+             else initial_state.float().clone(memory_format=torch.contiguous_format))
+    rows = torch.zeros(0, 2, dtype=torch.int64)
+    if checkpoint_at is not None:
+        where = locate_checkpoints(checkpoint_at, cu, multiple_of=chunk_size)
+        rows = torch.stack([where.seq, where.offset], dim=1)
+    out = native.chunk_ssd(x, dt, A, B, C, D, state, cu, rows, chunk_size)
+    if out is None:
+        return None
+    y, states = out
+    return y, state, states
 
 
 def _pass_states(local, total, lay: ChunkLayout, initial_state, N):

@@ -13,4 +13,5 @@ def prefill_impl(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(native, "chunk_delta_rule", lambda *a: None)
         monkeypatch.setattr(native, "causal_conv1d", lambda *a: None)
+        monkeypatch.setattr(native, "chunk_ssd", lambda *a: None)
     return request.param

@@ -15,6 +15,8 @@ from kernels.mamba2.chunk import segsum
 from kernels.mamba2.cuda import cuda_chunk_ssd, cuda_recurrent_ssd
 from tests.utils import import_torch_reference, rel_err
 
+pytestmark = pytest.mark.usefixtures("prefill_impl")  # tests/kernels/conftest.py: compiled and torch
+
 FP32_TOL = 1e-5
 NEMOTRON_H = "transformers.models.nemotron_h.modeling_nemotron_h"
 

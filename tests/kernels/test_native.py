@@ -77,11 +77,11 @@ def _chunk_both(op, dtype, blas=True, monkeypatch=None):
     q, k, v = (x.to(dtype) for x in (q, k, v))
     args = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu,
                 checkpoint_at=torch.tensor([64, 150, 214, 128, 215, 312]))
-    old = native.extension().chunk_blas(blas)
+    old = native.extension().matmul_blas(blas)
     try:
         compiled = fn(q, k, v, g, beta, **args)
     finally:
-        native.extension().chunk_blas(old)
+        native.extension().matmul_blas(old)
     monkeypatch.setattr(native, "chunk_delta_rule", lambda *a: None)
     return compiled, fn(q, k, v, g, beta, **args)
 
@@ -127,3 +127,30 @@ def test_conv_kernel_equals_torch_conv(dtype, activation, monkeypatch):
             assert got.dtype == want.dtype and got.shape == want.shape
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("blas", [True, False], ids=["blas", "loops"])
+def test_ssd_kernel_equals_torch_ssd(dtype, blas, monkeypatch):
+    """The compiled Mamba2 SSD gives the torch chunk path's outputs, final and checkpoint states
+    on a varlen batch (grouped B/C, D skip, chunk-aligned and end checkpoints, an empty and a
+    one-token sequence), its matmuls through torch's BLAS or its own loops."""
+    from kernels.mamba2 import chunk_ssd
+    from tests.kernels.test_mamba2 import cu_of, make_inputs, random_state
+
+    lengths = [70, 0, 1, 33, 64]
+    x = make_inputs(sum(lengths), dtype=dtype)
+    args = dict(initial_state=random_state(len(lengths)), output_final_state=True, cu_seqlens=cu_of(lengths),
+                checkpoint_at=torch.tensor([32, 64, 70, 71, 104, 136, 168]), chunk_size=32)
+    old = native.extension().matmul_blas(blas)
+    try:
+        compiled = chunk_ssd(*x, **args)
+    finally:
+        native.extension().matmul_blas(old)
+    monkeypatch.setattr(native, "chunk_ssd", lambda *a: None)
+    reference = chunk_ssd(*x, **args)
+    for got, want in zip(compiled, reference):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        tol = 2e-5 if got.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

@@ -1,0 +1,151 @@
+// Mamba2 SSD prefill on CPU, built and called by kernels/native.py: the rule of
+// kernels/mamba2/chunk.py per (sequence, head) job, the state h [P, S] advanced in place.
+// Per chunk of c <= L tokens counted from the sequence start, with a_t = dt_t A (<= 0),
+// seg[i, j] = a_{j+1} + ... + a_i (summed over the range, in the torch path's order) and
+// acum_i = a_0 + ... + a_i:
+//   y_i = sum_{j <= i} (C_i . B_j) exp(seg[i, j]) dt_j x_j + exp(acum_i) h C_i  (+ D x_i)
+//   h   = exp(acum_last) h + sum_j exp(seg[last, j]) dt_j x_j B_j^T
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "../matmul.h"
+
+namespace {
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+struct Sizes {
+  int64_t H, G, P, S, L;
+};
+
+struct Scratch {
+  std::vector<float> x, xs, B, C, scores, y, a, acum;
+  Scratch(const Sizes& s)
+      : x(s.L * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), scores(s.L * s.L), y(s.L * s.P), a(s.L),
+        acum(s.L) {}
+};
+
+template <typename T>
+struct Inputs {
+  const T *x, *B, *C;
+  const float *dt, *A, *D;  // D may be null
+};
+
+template <typename T>
+void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, int64_t hd, float* h, Scratch& w) {
+  const int64_t P = s.P, S = s.S, L = s.L, g = hd / (s.H / s.G);
+  float *x = w.x.data(), *xs = w.xs.data(), *B = w.B.data(), *C = w.C.data(), *sc = w.scores.data();
+  float *y = w.y.data(), *a = w.a.data(), *acum = w.acum.data();
+  const float A = in.A[hd];
+  for (int64_t i = 0; i < c; ++i) {
+    const int64_t t = t0 + i;
+    for (int64_t p = 0; p < P; ++p) x[i * P + p] = as_float(in.x[(t * s.H + hd) * P + p]);
+    for (int64_t d = 0; d < S; ++d) {
+      B[i * S + d] = as_float(in.B[(t * s.G + g) * S + d]);
+      C[i * S + d] = as_float(in.C[(t * s.G + g) * S + d]);
+    }
+    a[i] = in.dt[t * s.H + hd] * A;
+    acum[i] = (i ? acum[i - 1] : 0.f) + a[i];
+  }
+  mm(false, true, c, c, S, 1.f, C, S, B, S, 0.f, sc, L);  // C_i . B_j
+  for (int64_t j = 0; j < c; ++j) {  // times exp(seg[i, j]) dt_j below the diagonal, 0 above
+    const float dtj = in.dt[(t0 + j) * s.H + hd];
+    float seg = 0.f;
+    for (int64_t i = 0; i < j; ++i) sc[i * L + j] = 0.f;
+    for (int64_t i = j; i < c; ++i) {
+      if (i > j) seg += a[i];
+      sc[i * L + j] *= std::exp(seg) * dtj;
+      if (i == c - 1)
+        for (int64_t p = 0; p < P; ++p) xs[j * P + p] = x[j * P + p] * std::exp(seg) * dtj;  // into the end state
+    }
+  }
+  mm(false, false, c, P, c, 1.f, sc, L, x, P, 0.f, y, P);  // intra-chunk
+  for (int64_t i = 0; i < c; ++i) {                          // C_i exp(acum_i), then the entry state's share
+    const float e = std::exp(acum[i]);
+    for (int64_t d = 0; d < S; ++d) C[i * S + d] *= e;
+  }
+  mm(false, true, c, P, S, 1.f, C, S, h, S, 1.f, y, P);
+  const float total = std::exp(acum[c - 1]);
+  for (int64_t k = 0; k < P * S; ++k) h[k] *= total;
+  mm(true, false, P, S, c, 1.f, xs, P, B, S, 1.f, h, S);  // h += (dt exp(seg) x)^T B
+  const float Dh = in.D ? in.D[hd] : 0.f;
+  for (int64_t i = 0; i < c; ++i) {
+    T* o = out + ((t0 + i) * s.H + hd) * P;
+    for (int64_t p = 0; p < P; ++p) o[p] = static_cast<T>(y[i * P + p] + Dh * x[i * P + p]);
+  }
+}
+
+template <typename T>
+void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>& cu, const std::vector<int64_t>& jobs,
+         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* sp, float* ksp) {
+  const int64_t H = s.H, PS = s.P * s.S, J = static_cast<int64_t>(jobs.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch w(s);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t n = jobs[j] / H, hd = jobs[j] % H;
+      float* h = sp + (n * H + hd) * PS;
+      const auto& plan = captures[n];
+      size_t next = 0;
+      for (int64_t t = cu[n]; t < cu[n + 1]; t += s.L) {
+        const int64_t c = std::min(s.L, cu[n + 1] - t);
+        chunk(s, in, op, t, c, hd, h, w);
+        for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
+          std::copy(h, h + PS, ksp + (plan[next].second * H + hd) * PS);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// x [T, H, P], B, C [T, G, S] (one dtype: fp32 or bf16, contiguous); dt [T, H], A [H], D [H] or
+// empty, fp32; state [N, H, P, S] fp32 contiguous, advanced in place from the initial to the
+// final states; cu_seqlens [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it
+// consumed: a multiple of chunk_size or its length). Returns (y [T, H, P] in x's dtype,
+// states [C, H, P, S] fp32).
+std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                                             const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
+                                             at::Tensor& state, const at::Tensor& cu_seqlens,
+                                             const at::Tensor& checkpoints, int64_t chunk_size) {
+  TORCH_CHECK(x.is_contiguous() && B.is_contiguous() && C.is_contiguous(), "chunk_ssd: contiguous x, B, C");
+  TORCH_CHECK(x.scalar_type() == B.scalar_type() && B.scalar_type() == C.scalar_type(), "x, B, C share one dtype");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dt, &A, &state})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "chunk_ssd: contiguous fp32 dt, A, state");
+  const Sizes s{x.size(1), B.size(1), x.size(2), B.size(2), chunk_size};
+  auto cu_t = cu_seqlens.to(at::kLong).contiguous();
+  std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1, H = s.H;
+  TORCH_CHECK(state.size(0) == N && state.size(1) == H && state.size(2) == s.P && state.size(3) == s.S,
+              "state [N, H, P, S]");
+  auto ck = checkpoints.to(at::kLong).contiguous();
+  const int64_t* ckp = ck.data_ptr<int64_t>();
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> captures(N);
+  for (int64_t i = 0; i < ck.size(0); ++i) captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
+  for (auto& plan : captures) std::sort(plan.begin(), plan.end());
+  auto out = at::empty_like(x);
+  auto states = at::empty({ck.size(0), H, s.P, s.S}, state.options());
+  auto Df = D.numel() ? D.to(at::kFloat).contiguous() : D;
+  std::vector<int64_t> jobs(N * H);  // longest sequences first
+  std::iota(jobs.begin(), jobs.end(), 0);
+  std::stable_sort(jobs.begin(), jobs.end(), [&](int64_t p, int64_t q) {
+    return cu[p / H + 1] - cu[p / H] > cu[q / H + 1] - cu[q / H];
+  });
+  float *sp = state.data_ptr<float>(), *ksp = states.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "chunk_ssd", [&] {
+    const Inputs<scalar_t> in{x.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(),
+                              dt.data_ptr<float>(), A.data_ptr<float>(), D.numel() ? Df.data_ptr<float>() : nullptr};
+    run(s, in, out.data_ptr<scalar_t>(), cu, jobs, captures, sp, ksp);
+  });
+  return {out, states};
+}
