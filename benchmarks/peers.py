@@ -3,6 +3,7 @@
     python -m benchmarks.peers [--vllm-python PATH] [--rows ROW ...] [--repeats 3]
                                [--requests 64] [--prefix 1024] [--suffix 256] [--new 64] [--threads 2]
     python -m benchmarks.peers --serve [...]    # both OpenAI servers driven by `vllm bench serve`
+    python -m benchmarks.peers --under-load 1 [...]  # each row again beside a busy loop: the spread
 
 Offline (default): the workload of benchmarks/engine.py, `--requests` prompts sharing a
 `--prefix`-token prefix with distinct `--suffix`-token tails, `--new` greedy tokens each,
@@ -241,6 +242,41 @@ def measure(row: Row, path: Path, args, engines: tuple[str, ...], profile: str |
     return result
 
 
+def busy_loops(n: int) -> list[subprocess.Popen]:
+    """n processes that only spin (the load of a shared serving machine)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def measure_loaded(row: Row, path: Path, args, engines: tuple[str, ...], profile: str | Path, scratch: Path) -> dict:
+    """The row again with `--under-load` busy-looping processes beside each run (no quiet wait,
+    no retries): every run's wall time and the spread (slowest / fastest) per engine."""
+    work_file = scratch / "workload.json"
+    runs: dict[str, list[float]] = {e: [] for e in engines}
+    hogs = busy_loops(args.under_load)
+    try:
+        for r in range(args.repeats):
+            for engine in engines:
+                out = run_worker(worker_command(engine, row, path, work_file, args, profile), scratch / "workers.log")
+                runs[engine].append(out["wall_s"])
+                print(f"  {row.label} | {engine} under load, run {r + 1}: {out['wall_s']:.2f} s", flush=True)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    return {"loaded_runs_s": runs, "busy_loops": args.under_load,
+            "spread": {e: max(t) / min(t) for e, t in runs.items()}}
+
+
+def loaded_table(results: list[dict]) -> str:
+    """The Markdown table of the runs under load."""
+    out = ["| row (busy loops beside) | engine | runs s | spread (slowest / fastest) |", "|---|---|---|---:|"]
+    for r in results:
+        for engine, runs in r["loaded_runs_s"].items():
+            out.append(f"| {r['row']} ({r['busy_loops']}) | {engine} | {' / '.join(f'{t:.2f}' for t in runs)} | "
+                       f"{r['spread'][engine]:.2f}x |")
+    return "\n".join(out)
+
+
 def table(results: list[dict]) -> str:
     """The Markdown table of the offline rows; '-' where vLLM did not run."""
     out = ["| row | hybridserve s | vLLM s | hybridserve tok/s | vLLM tok/s | hybridserve speed / vLLM | "
@@ -362,6 +398,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-others", type=float, default=0.1,
                     help="an offline run during which others used more than this share of the CPUs is rerun")
     ap.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run at most (then it counts)")
+    ap.add_argument("--under-load", type=int, default=0, metavar="N",
+                    help="after each row, its runs again with N busy-looping processes beside (spread under load)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
                     help="where the checkpoints are built (once)")
     ap.add_argument("--output", type=Path, default=None, help="results JSON (default: benchmarks/results/peers*.json)")
@@ -397,6 +435,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         results = [measure(r, paths[r.model][0], args, engines, profiles[r.model], scratch) for r in rows]
         text = table(results)
+        if args.under_load:
+            for r, res in zip(rows, results):
+                res |= measure_loaded(r, paths[r.model][0], args, engines, profiles[r.model], scratch)
+            text += "\n\nUnder load:\n" + loaded_table(results)
     print(text)
     if not args.vllm_python:
         print(f"vLLM not configured (--vllm-python or ${VLLM_ENV}): hybridserve only")

@@ -129,6 +129,35 @@ def test_parent_runs_hybridserve_only(cache, tmp_path, monkeypatch):
     assert row["row"] == peers.ROWS["nemotron-h-nocache"].label and "vllm_s" not in row and row["hybridserve_s"] > 0
 
 
+def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):
+    """--under-load N reruns the row with N spinning processes alive during the runs (and gone
+    after), and records each run and the slowest / fastest spread."""
+    monkeypatch.delenv(peers.VLLM_ENV, raising=False)
+    seen, spawned = [], []
+    real_busy, real_run = peers.busy_loops, peers.run_worker
+
+    def busy(n):
+        spawned.extend(real_busy(n))
+        return spawned
+
+    def run(cmd, log):
+        seen.append(sum(h.poll() is None for h in spawned))  # busy loops alive during this run
+        return real_run(cmd, log)
+
+    monkeypatch.setattr(peers, "busy_loops", busy)
+    monkeypatch.setattr(peers, "run_worker", run)
+    out = tmp_path / "peers.json"
+    peers.main([*SMALL, "--rows", "nemotron-h-nocache", "--cache", str(cache), "--output", str(out),
+                "--under-load", "1"])
+    row = json.loads(out.read_text())["rows"][0]
+    loaded = row["loaded_runs_s"]["hybridserve"]
+    assert row["busy_loops"] == 1 and len(loaded) == len(row["runs_s"]["hybridserve"])
+    assert row["spread"]["hybridserve"] == pytest.approx(max(loaded) / min(loaded))
+    assert seen[-len(loaded):] == [1] * len(loaded) and seen[0] == 0  # quiet runs first, then loaded ones
+    assert all(h.poll() is not None for h in spawned)  # killed afterwards
+    assert "spread" in peers.loaded_table([row])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON, reason=f"no vLLM python (set ${peers.VLLM_ENV})")
 def test_vllm_worker_matches_ours_in_fp32(cache, tmp_path):
