@@ -74,7 +74,7 @@ def chunk_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
 
 def _compiled(q, k, v, g, beta, scale, initial_state, cu, checkpoint_at):
     """(o, final, states) from the compiled kernel, or None where it is not built."""
-    T, _, K = q.shape
+    K = q.shape[2]
     HV, V = v.shape[1:]
     N = len(cu) - 1
     S = (q.new_zeros(N, HV, K, V, dtype=torch.float32) if initial_state is None

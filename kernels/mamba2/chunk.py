@@ -137,7 +137,7 @@ def chunk_ssd(
 
 def _compiled(x, dt, A, B, C, D, initial_state, cu, checkpoint_at, chunk_size):
     """(y, final, states) from the compiled kernel, or None where it is not built."""
-    T, H, P = x.shape
+    _, H, P = x.shape
     N, S = cu.numel() - 1, B.shape[2]
     state = (x.new_zeros(N, H, P, S, dtype=torch.float32) if initial_state is None
              else initial_state.float().clone(memory_format=torch.contiguous_format))
