@@ -44,6 +44,10 @@ class EngineConfig:
                 "calibrate`; unset: the shipped builtin_cpu profile for the built-in model on CPU, else one "
                 "fitted at start-up from a few timed forwards (only when the policy reads it)"})
     seed: int = field(default=0, metadata={"help": "seed for torch (sampling of requests without their own seed)"})
+    adaptive_threads: bool = field(default=True, metadata={
+        "help": "on CPU, run each round on the CPUs other processes leave free (from /proc/stat; at most torch's "
+                "thread count at the first round), so threads do not wait on descheduled partners on a busy machine; "
+                "matmuls may round differently at another thread count, so turn it off for bitwise-repeatable runs"})
     debug_integrity: bool = field(default=False, metadata={
         "help": "check every pool's integrity whenever the engine is idle (slow; for debugging)"})
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

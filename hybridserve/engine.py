@@ -10,7 +10,7 @@ from typing import Sequence, Union
 import torch
 
 from hybridserve.config import EngineConfig
-from hybridserve.host import keep_freed_memory
+from hybridserve.host import ThreadGovernor, keep_freed_memory
 from hybridserve.outputs import Detokenizer, RequestOutput
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
@@ -80,6 +80,7 @@ class Engine:
         self.scheduler = Scheduler(self.cache, config.scheduler, self._cost_model(), time.monotonic)
         self.requests: dict[str, tuple[Req, Detokenizer]] = {}
         self._ids = itertools.count()
+        self.threads: ThreadGovernor | None = None  # made at the first round, on the thread that steps
         self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
                                             else set())
         log.info("model %s (%s, %s), policy %s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
@@ -167,10 +168,18 @@ class Engine:
             if self.config.debug_integrity and not self.scheduler.running:
                 self.scheduler.check_integrity()
             return ended
+        self._govern_threads()
         out = self.executor.run(batch)
         changed = self.scheduler.process(batch, out)
         extras = dict(zip(map(id, batch.sampling_reqs), out.extras or []))
         return ended + [self._output(r, extras.get(id(r))) for r in changed]
+
+    def _govern_threads(self) -> None:
+        if not self.config.adaptive_threads or torch.device(self.config.device).type != "cpu":
+            return
+        if self.threads is None:
+            self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+        self.threads.update()
 
     def _output(self, req: Req, logprob, new_token: bool = True) -> RequestOutput:
         """req's output after this step; new_token: whether the step appended one."""
@@ -210,8 +219,11 @@ class Engine:
     def stats(self) -> dict:
         """Counters and pool usage for metrics."""
         s = self.scheduler
-        return {"waiting": len(s.waiting), "running": len(s.running), **s.counters,
-                "cache": s.cache_stats()._asdict()}
+        out = {"waiting": len(s.waiting), "running": len(s.running), **s.counters,
+               "cache": s.cache_stats()._asdict()}
+        if self.threads is not None:
+            out["threads"] = {"threads": self.threads.threads, "others_busy": self.threads.others}
+        return out
 
 
 def _unwrap(prompt: dict) -> str | Sequence[int]:

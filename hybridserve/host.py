@@ -1,13 +1,17 @@
 """Process settings that CPU serving needs, applied before the work starts.
 
-Two defaults of a stock CPU process cost more than the model on small and medium batches:
+Three defaults of a stock CPU process cost more than the model on small and medium batches:
 
-- OpenMP threads that spin-wait between parallel regions (libgomp's default). On a machine
-  where another process holds a core, every op then waits a scheduler time slice for its
-  descheduled partner thread while the spinning one burns the core it needs: tiny ops go
-  from ~40 us to ~8 ms. `OMP_WAIT_POLICY=PASSIVE` makes idle threads sleep instead. libgomp
-  reads it when it loads, so `spin_policy()` runs when `hybridserve` is imported, before
-  torch; a value the user set is kept.
+- How OpenMP threads wait between parallel regions. libgomp's default spins for ~300,000
+  iterations: on a machine where another process holds a core, every op then waits a
+  scheduler time slice for its descheduled partner thread while the spinning one burns the
+  core it needs (tiny ops go from ~40 us to ~8 ms). Sleeping at once (`OMP_WAIT_POLICY=
+  PASSIVE`) costs a futex wake-up per parallel region instead: 50-60 us even for a 128-element
+  op, which made a decode step of the tiny test models 1.5x slower on an idle machine.
+  `spin_policy()` sets a short spin (`GOMP_SPINCOUNT`, about 0.1-0.3 ms) and `ThreadGovernor`
+  drops to fewer threads while other processes hold the cores, so nothing spins on a busy
+  machine. libgomp reads its environment when it loads, so `spin_policy()` runs when
+  `hybridserve` is imported, before torch; a wait policy or spin count the user set is kept.
 - glibc returning every freed large block to the kernel (blocks above 128 KB are mmap'd and
   unmapped on free), so each step's temporaries (gathered KV, activations) are page-faulted
   in again. `keep_freed_memory()` (at engine start) keeps freed memory in the process:
@@ -19,13 +23,66 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import time
 
 # glibc mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 
 
+SPIN_COUNT = 10_000  # libgomp spin iterations before a waiting thread sleeps
+
+
 def spin_policy() -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
+
+
+class ThreadGovernor:
+    """Intra-op threads = the CPUs this process may use minus the cores other processes kept
+    busy over the last `interval` seconds (from /proc/stat, less this process's own CPU time),
+    between 1 and `ceiling`. `update()` before each round; it reads /proc at most once an
+    interval (~40 us) and calls `set_threads` only when the count changes. Where /proc/stat is
+    not readable it keeps `ceiling`."""
+
+    def __init__(self, ceiling: int, set_threads, interval: float = 0.2, clock=time.monotonic,
+                 stat_path: str = "/proc/stat", own_cpu=None):
+        self.ceiling, self.set_threads, self.interval, self.clock = ceiling, set_threads, interval, clock
+        self.stat_path, self.own_cpu = stat_path, own_cpu or (lambda: sum(os.times()[:2]))
+        self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.threads = ceiling
+        self.others = 0.0  # cores others kept busy over the last interval
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(now, busy CPU seconds of our CPUs, this process's CPU seconds), or None."""
+        busy = 0
+        try:
+            with open(self.stat_path) as f:
+                for line in f:
+                    name, *ticks = line.split()
+                    if name in self.cpus:  # user nice system idle iowait irq softirq steal ...
+                        t = [int(x) for x in ticks[:8]]
+                        busy += sum(t) - t[3] - t[4]
+        except (OSError, ValueError, IndexError):
+            return None
+        return self.clock(), busy / self.tick, self.own_cpu()
+
+    def update(self) -> int:
+        now = self.clock()
+        if self._last is None or now - self._last[0] < self.interval:
+            return self.threads
+        sample = self._sample()
+        if sample is None:
+            return self.threads
+        (t0, busy0, own0), (t1, busy1, own1) = self._last, sample
+        self._last = sample
+        self.others = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+        threads = max(1, min(self.ceiling, round(len(self.cpus) - self.others)))
+        if threads != self.threads:
+            self.threads = threads
+            self.set_threads(threads)
+        return threads
 
 
 def keep_freed_memory() -> bool:

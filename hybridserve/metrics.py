@@ -105,6 +105,11 @@ class _EngineCollector(Collector):
         s = self.stats()
         yield GaugeMetricFamily(PREFIX + "requests_waiting", "Requests queued, not yet admitted.", s["waiting"])
         yield GaugeMetricFamily(PREFIX + "requests_running", "Requests admitted (prefill or decode).", s["running"])
+        if "threads" in s:  # CPU, adaptive threads (hybridserve/host.py ThreadGovernor)
+            yield GaugeMetricFamily(PREFIX + "cpu_threads", "Intra-op threads of the last round.",
+                                    s["threads"]["threads"])
+            yield GaugeMetricFamily(PREFIX + "cpu_others_busy_cores", "Cores other processes kept busy (last "
+                                    "sample).", s["threads"]["others_busy"])
         for key, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, doc, _value(s, key))
         lookups = s["cache"]["lookup_tokens"]

@@ -52,6 +52,8 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,
                                                  const at::Tensor& at_rows, bool silu);
+at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
+                     const at::Tensor& slots, bool silu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "attention decode over paged KV (kernels/attention/cpu_decode.cpp)");
@@ -59,5 +61,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_delta_rule", &chunk_delta_rule, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
   m.def("chunk_ssd", &chunk_ssd, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
   m.def("causal_conv1d", &causal_conv1d, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
+  m.def("conv_step", &conv_step, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
   m.def("matmul_blas", &matmul_blas, "the kernels' matmuls through torch's BLAS (true) or plain loops");
 }

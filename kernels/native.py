@@ -1,7 +1,7 @@
 """The compiled CPU kernels, built on first use: paged decode attention and the delta-rule
 decode step (attention/cpu_decode.cpp), the chunkwise delta-rule prefill of KDA and GDN
 (kda/cpu_chunk.cpp), the Mamba2 SSD prefill (mamba2/cpu_ssd.cpp) and the causal conv1d
-prefill (conv1d/cpu_conv.cpp); native.cpp binds them into one module (matmul.h: the small
+prefill and decode step (conv1d/cpu_conv.cpp); native.cpp binds them into one module (matmul.h: the small
 matmul they share).
 
 `torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
@@ -94,6 +94,19 @@ def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
     empty = weight.new_empty(0, dtype=torch.float32)
     return ext.causal_conv1d(x.contiguous(), weight.float(), empty if bias is None else bias.float(), state,
                              cu_seqlens, at_rows, silu)
+
+
+def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
+    """One causal-conv1d token per sequence (kernels/conv1d/torch.py's causal_conv1d_update) with
+    the conv states advanced in place in `state[slots]` (fp32 or bf16); y [N, D] in x's dtype,
+    or None where the kernel cannot run (the caller gathers and steps)."""
+    ok = x.device.type == "cpu" and {x.dtype, state.dtype} <= {torch.float32, torch.bfloat16}
+    ext = extension() if ok and state.is_contiguous() else None
+    if ext is None:
+        return None
+    empty = weight.new_empty(0, dtype=torch.float32)
+    return ext.conv_step(x.contiguous(), weight.float().contiguous(), empty if bias is None else bias.float(),
+                         state, slots, silu)
 
 
 def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int):

@@ -100,3 +100,60 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
   });
   return {y, states};
 }
+
+namespace {
+
+template <typename T, typename S>
+void conv_step_impl(const T* x, const float* w, const float* bias, S* state, const int64_t* slots, int64_t N,
+                    int64_t D, int64_t W, bool silu, T* y) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      S* st = state + slots[n] * D * (W - 1);
+      const T* xn = x + n * D;
+      T* yn = y + n * D;
+      for (int64_t d = 0; d < D; ++d) {
+        S* s = st + d * (W - 1);  // the W-1 inputs before this token, oldest first
+        const float* wd = w + d * W;
+        const float u = as_float(xn[d]);
+        float acc = 0.f;
+        for (int64_t j = 0; j < W - 1; ++j) acc += as_float(s[j]) * wd[j];
+        acc += u * wd[W - 1];
+        if (bias) acc += bias[d];
+        yn[d] = static_cast<T>(silu ? acc / (1.f + std::exp(-acc)) : acc);
+        for (int64_t j = 0; j + 1 < W - 1; ++j) s[j] = s[j + 1];  // shift the window by this token
+        if (W > 1) s[W - 2] = static_cast<S>(u);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// One decode token per sequence with the conv states advanced in place: x [N, D] (fp32 or bf16,
+// contiguous); weight [D, W] fp32; bias [D] fp32 or empty; state [slots, D, W-1] (fp32 or bf16,
+// contiguous) read and written at rows `slots` [N] int64. Returns y [N, D] in x's dtype; the
+// contract of kernels/conv1d/torch.py's causal_conv1d_update.
+at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
+                     const at::Tensor& slots, bool silu) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "conv_step: contiguous x [N, D]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "conv_step: contiguous fp32 weight");
+  TORCH_CHECK(state.is_contiguous() && state.dim() == 3, "conv_step: contiguous state [slots, D, W-1]");
+  const int64_t N = x.size(0), D = x.size(1), W = weight.size(1);
+  TORCH_CHECK(weight.size(0) == D && state.size(1) == D && state.size(2) == W - 1, "conv_step: state [slots, D, W-1]");
+  auto sl = slots.to(at::kLong).contiguous();
+  auto y = at::empty_like(x);
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv_step", [&] {
+    using T = scalar_t;
+    if (state.scalar_type() == at::kFloat) {
+      conv_step_impl<T, float>(x.data_ptr<T>(), weight.data_ptr<float>(), bp, state.data_ptr<float>(),
+                               sl.data_ptr<int64_t>(), N, D, W, silu, y.data_ptr<T>());
+    } else {
+      TORCH_CHECK(state.scalar_type() == at::kBFloat16, "conv_step: fp32 or bf16 state");
+      conv_step_impl<T, c10::BFloat16>(x.data_ptr<T>(), weight.data_ptr<float>(), bp,
+                                       state.data_ptr<c10::BFloat16>(), sl.data_ptr<int64_t>(), N, D, W, silu,
+                                       y.data_ptr<T>());
+    }
+  });
+  return y;
+}

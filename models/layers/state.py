@@ -55,13 +55,16 @@ def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, d
 def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None, activation: str | None = "silu") -> torch.Tensor:
     """Causal depthwise conv of x [T, D] (weight [D, W]) with conv states [slots, D, W-1] in
-    slots, through the conv1d kernels (see run_with_state)."""
+    slots, through the conv1d kernels (see run_with_state); decode rows through the compiled
+    CPU step that updates the slots in place (kernels/native.py), else the step kernel."""
     conv, step = kernels.get("conv1d_prefill", x.device), kernels.get("conv1d_decode", x.device)
+    silu = activation == "silu"
     return run_with_state(
         batch,
         state,
         lambda r, s0, cu, ck: conv(x[r], weight, bias, s0, cu_seqlens=cu, activation=activation, checkpoint_at=ck),
         lambda r, s0: step(x[r], weight, bias, s0, activation=activation),
+        lambda r, st, slots: native.conv_step(x[r], weight, bias, st, slots, silu),
     )
 
 

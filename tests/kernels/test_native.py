@@ -154,3 +154,31 @@ def test_ssd_kernel_equals_torch_ssd(dtype, blas, monkeypatch):
         assert got.dtype == want.dtype and got.shape == want.shape
         tol = 2e-5 if got.dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv_step_updates_slots_in_place(dtype, state_dtype, activation):
+    """The compiled conv decode step equals the torch step (causal_conv1d_update) on the states
+    of the named slots, writes the shifted windows in place, and leaves every other slot as
+    it was."""
+    from kernels.conv1d import causal_conv1d_update
+
+    gen = torch.Generator().manual_seed(4)
+    n, D, W = 5, 24, 4
+    x = torch.randn(n, D, generator=gen).to(dtype)
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    state = torch.randn(9, D, W - 1, generator=gen).to(state_dtype)
+    slots = torch.tensor([8, 2, 0, 5, 3])
+    for b in (bias, None):
+        want_y, want_s = causal_conv1d_update(x, weight, b, state[slots], activation=activation)
+        after = state.clone()
+        y = native.conv_step(x, weight, b, after, slots, activation == "silu")
+        assert y.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(y.float(), want_y.float(), rtol=tol, atol=tol)
+        assert torch.equal(after[slots], want_s)  # the window shifted by one token, exactly
+        others = [i for i in range(9) if i not in slots.tolist()]
+        assert torch.equal(after[others], state[others])
