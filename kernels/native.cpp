@@ -39,6 +39,9 @@ static bool matmul_blas(bool on) {
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& pages, const at::Tensor& lens, double scale, int64_t dv);
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& pages, const at::Tensor& cu_seqlens, const at::Tensor& seq_lens,
+                         double scale, int64_t dv);
 at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                       const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, double scale);
 std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -52,15 +55,21 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tens
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,
                                                  const at::Tensor& at_rows, bool silu);
+std::tuple<at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& counts,
+                                                int64_t cap);
+at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at::Tensor& weight);
 at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
                      const at::Tensor& slots, bool silu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "attention decode over paged KV (kernels/attention/cpu_decode.cpp)");
+  m.def("paged_prefill", &paged_prefill, "causal attention of query blocks over paged KV (kernels/attention/cpu_prefill.cpp)");
   m.def("delta_step", &delta_step, "KDA / GDN decode step, states in place (kernels/attention/cpu_decode.cpp)");
   m.def("chunk_delta_rule", &chunk_delta_rule, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
   m.def("chunk_ssd", &chunk_ssd, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
   m.def("causal_conv1d", &causal_conv1d, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
   m.def("conv_step", &conv_step, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
+  m.def("moe_dispatch", &moe_dispatch, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
+  m.def("moe_combine", &moe_combine, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");
   m.def("matmul_blas", &matmul_blas, "the kernels' matmuls through torch's BLAS (true) or plain loops");
 }

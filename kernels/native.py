@@ -1,8 +1,9 @@
 """The compiled CPU kernels, built on first use: paged decode attention and the delta-rule
-decode step (attention/cpu_decode.cpp), the chunkwise delta-rule prefill of KDA and GDN
-(kda/cpu_chunk.cpp), the Mamba2 SSD prefill (mamba2/cpu_ssd.cpp) and the causal conv1d
-prefill and decode step (conv1d/cpu_conv.cpp); native.cpp binds them into one module (matmul.h: the small
-matmul they share).
+decode step (attention/cpu_decode.cpp), paged prefill attention (attention/cpu_prefill.cpp),
+the chunkwise delta-rule prefill of KDA and GDN (kda/cpu_chunk.cpp), the Mamba2 SSD prefill
+(mamba2/cpu_ssd.cpp), the causal conv1d prefill and decode step (conv1d/cpu_conv.cpp) and the
+token routing of the padded mixture of experts (moe/cpu_moe.cpp); native.cpp binds them into
+one module (matmul.h: the small matmul they share).
 
 `torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
 TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) with the machine's own vector
@@ -24,8 +25,9 @@ import torch
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
-SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "kda" / "cpu_chunk.cpp",
-           HERE / "mamba2" / "cpu_ssd.cpp", HERE / "conv1d" / "cpu_conv.cpp"]
+SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "attention" / "cpu_prefill.cpp",
+           HERE / "kda" / "cpu_chunk.cpp", HERE / "mamba2" / "cpu_ssd.cpp", HERE / "conv1d" / "cpu_conv.cpp",
+           HERE / "moe" / "cpu_moe.cpp"]
 
 
 @functools.cache
@@ -58,6 +60,17 @@ def paged_decode(q, k_cache, v_cache, page_table, lens, scale: float, dv: int) -
     if ext is None:
         return None
     return ext.paged_decode(q, k_cache, v_cache, page_table, lens, scale, dv)
+
+
+def paged_prefill(q, k_cache, v_cache, page_table, cu_seqlens, seq_lens, scale: float, dv: int) -> torch.Tensor | None:
+    """o [T, H, Dv] fp32 of causal attention for packed query blocks over paged KV (queries at
+    the end of each sequence's keys), or None where the kernel cannot run."""
+    ok = q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+    ok = ok and q.dtype == k_cache.dtype == v_cache.dtype
+    ext = extension() if ok and k_cache.stride(-1) == v_cache.stride(-1) == 1 else None
+    if ext is None:
+        return None
+    return ext.paged_prefill(q.contiguous(), k_cache, v_cache, page_table, cu_seqlens, seq_lens, scale, dv)
 
 
 def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | None:
@@ -107,6 +120,25 @@ def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
     empty = weight.new_empty(0, dtype=torch.float32)
     return ext.conv_step(x.contiguous(), weight.float().contiguous(), empty if bias is None else bias.float(),
                          state, slots, silu)
+
+
+def _routable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16)
+
+
+def moe_dispatch(x, idx, counts, cap: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(padded [E, cap, D] in x's dtype, at [T * k] int64) as models/layers/mlp.py's torch
+    routing makes them (expert e's rows in (token, choice) order, then zeros; at: the row of
+    padded.view(E * cap, D) of each (token, choice)), or None where the kernel cannot run."""
+    ext = extension() if _routable(x) else None
+    return None if ext is None else ext.moe_dispatch(x.contiguous(), idx, counts, cap)
+
+
+def moe_combine(y, at, weight) -> torch.Tensor | None:
+    """sum over c of weight[t, c] * y[at[t * k + c]] -> [T, D] in y's dtype with the torch path's
+    roundings, or None where the kernel cannot run."""
+    ext = extension() if _routable(y) and weight.dtype == y.dtype else None
+    return None if ext is None else ext.moe_combine(y.contiguous(), at, weight)
 
 
 def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int):

@@ -1,6 +1,8 @@
 """Causal attention over a paged KV cache in torch (the CPU path; runs on any device).
 
-Sequences are grouped by query count; each group reads its keys from the pages once and
+On CPU a batch with any multi-query segment runs the compiled prefill kernel of
+kernels/native.py (query blocks over the pages in place, online softmax, fp32). Otherwise,
+or where it is not built, sequences are grouped by query count; each group reads its keys from the pages once and
 runs padded SDPA calls in fp32: with `is_causal` where a group has no cached prefix (SDPA
 aligns its mask to the top-left, right only when queries and keys coincide), else with an
 explicit causal mask, long query blocks cut into pieces of Q_BLOCK queries so the mask and
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.kv import check_paged_args, query_lens, read_kv
-from kernels.native import paged_decode
+from kernels.native import paged_decode, paged_prefill
 
 Q_BLOCK = 1024
 
@@ -48,6 +50,11 @@ def paged_attention(
         cu_seqlens = torch.tensor([0, t], device=q.device)
     q_lens = query_lens(cu_seqlens, seq_lens)  # [N]
     scale = dk**-0.5 if scale is None else scale
+    if t > len(q_lens):  # some segment has several queries
+        out = paged_prefill(q, k_cache, k_cache if v_cache is None else v_cache, page_table, cu_seqlens, seq_lens,
+                            scale, dv)
+        if out is not None:
+            return out.to(q.dtype)
     o = q.new_empty(t, h, dv)
     for e in q_lens.unique().tolist():
         if e == 0:

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import native
+
 ACTS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square(), "gelu": F.gelu}
 
 
@@ -77,31 +79,53 @@ def _bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
 def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """sum_k weight[t, k] * experts[idx[t, k]](x[t]) for x [T, D], idx/weight [T, top_k].
 
-    The T * top_k (token, choice) rows are sorted by expert. When the busiest expert's rows
-    times the expert count is at most twice the rows (balanced routing, as in decode
-    batches), all experts run as one padded batched matmul per projection; otherwise each
-    chosen expert runs once on its contiguous block. The outputs go back to (token, choice)
-    order with one copy and are summed over the choices (no scatter-add).
+    When the busiest expert's rows times the expert count is at most twice the T * top_k
+    (token, choice) rows (balanced routing, as in decode batches), the rows are copied into
+    zero-padded per-expert blocks and all experts run as one batched matmul per projection;
+    otherwise the rows are sorted by expert and each chosen expert runs once on its contiguous
+    block. The outputs are read back in (token, choice) order and summed over the choices (no
+    scatter-add). On CPU the compiled routing of kernels/native.py does the padded path's
+    copies in one pass each, with the same results.
     """
     t, k = idx.shape
     flat = idx.flatten()
-    order = flat.argsort(stable=True)  # [T * top_k] rows grouped by expert
     counts = torch.bincount(flat, minlength=len(experts))  # [E]
-    rows = x[order // k]  # [T * top_k, D] in expert order
     cap = int(counts.max())
     if len(experts) * cap <= 2 * t * k and hasattr(experts[0], "parts"):
         w = stack_experts(experts)
-        expert = flat[order]  # [T * top_k] expert of each sorted row
-        at = expert * cap + torch.arange(t * k, device=x.device) - (counts.cumsum(0) - counts)[expert]
-        padded = rows.new_zeros(len(experts) * cap, rows.shape[1]).index_copy_(0, at, rows)
-        padded = padded.view(len(experts), cap, -1)  # [E, cap, D]: expert e's rows, zero-padded
+        padded, at = _dispatch(x, idx, counts, cap)  # [E, cap, D]; [T * top_k] row of each (token, choice)
         up = _bmm(padded, w.up, w.up_bias)
         h = w.act(up) if w.gate is None else w.act(_bmm(padded, w.gate, w.gate_bias)) * up
-        y = _bmm(h, w.down, w.down_bias).flatten(0, 1).index_select(0, at)  # [T * top_k, D_out]
-    else:
-        y = torch.cat([experts[e](r) for e, r in enumerate(rows.split(counts.tolist())) if len(r)])
+        return _combine(_bmm(h, w.down, w.down_bias).flatten(0, 1), at, weight.to(x.dtype))
+    order = flat.argsort(stable=True)  # [T * top_k] rows grouped by expert
+    rows = x[order // k]  # [T * top_k, D] in expert order
+    y = torch.cat([experts[e](r) for e, r in enumerate(rows.split(counts.tolist())) if len(r)])
     y = torch.empty_like(y).index_copy_(0, order, y).view(t, k, -1)  # back to (token, choice) order
     return (y * weight[..., None].to(x.dtype)).sum(1)
+
+
+def _dispatch(x: torch.Tensor, idx: torch.Tensor, counts: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(padded [E, cap, D]: expert e's rows in (token, choice) order, then zeros; at [T * top_k]:
+    the row of padded.view(E * cap, D) that each (token, choice) went to)."""
+    routed = native.moe_dispatch(x, idx, counts, cap)
+    if routed is not None:
+        return routed
+    flat, k = idx.flatten(), idx.shape[1]
+    order = flat.argsort(stable=True)  # rows grouped by expert, (token, choice) order within
+    expert = flat[order]
+    rank = torch.arange(len(flat), device=x.device) - (counts.cumsum(0) - counts)[expert]
+    at = torch.empty_like(order).index_copy_(0, order, expert * cap + rank)
+    padded = x.new_zeros(len(counts) * cap, x.shape[1]).index_copy_(0, at, x.repeat_interleave(k, 0))
+    return padded.view(len(counts), cap, -1), at
+
+
+def _combine(y: torch.Tensor, at: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum over c of weight[t, c] * y[at[t * top_k + c]] for y [R, D], weight [T, top_k]."""
+    out = native.moe_combine(y, at, weight)
+    if out is not None:
+        return out
+    t, k = weight.shape
+    return (y.index_select(0, at).view(t, k, -1) * weight[..., None]).sum(1)
 
 
 class GroupedTopKRouter(nn.Module):

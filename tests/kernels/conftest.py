@@ -14,4 +14,5 @@ def prefill_impl(request, monkeypatch):
         monkeypatch.setattr(native, "chunk_delta_rule", lambda *a: None)
         monkeypatch.setattr(native, "causal_conv1d", lambda *a: None)
         monkeypatch.setattr(native, "chunk_ssd", lambda *a: None)
+        monkeypatch.setattr("kernels.attention.torch.paged_prefill", lambda *a: None)
     return request.param

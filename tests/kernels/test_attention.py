@@ -18,6 +18,7 @@ from kernels.attention.naive import naive_paged_attention
 from tests.utils import rel_err
 
 FP32_TOL = 1e-5
+pytestmark = pytest.mark.usefixtures("prefill_impl")  # compiled prefill kernel and the torch path
 
 
 class Batch(NamedTuple):

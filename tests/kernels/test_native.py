@@ -182,3 +182,30 @@ def test_conv_step_updates_slots_in_place(dtype, state_dtype, activation):
         assert torch.equal(after[slots], want_s)  # the window shifted by one token, exactly
         others = [i for i in range(9) if i not in slots.tolist()]
         assert torch.equal(after[others], state[others])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_moe_routing_equals_torch_bitwise(dtype, top_k, monkeypatch):
+    """The compiled dispatch (rows into padded expert blocks) and combine (weighted sum over
+    the choices) give the torch routing's tensors bit for bit, for random routing with
+    unequal expert loads and an expert nobody chose."""
+    from models.layers import mlp
+
+    gen = torch.Generator().manual_seed(5)
+    t, d, e = 37, 24, 6
+    x = torch.randn(t, d, generator=gen).to(dtype)
+    idx = torch.stack([torch.randperm(e - 1, generator=gen)[:top_k] for _ in range(t)])  # expert 5 unused
+    counts = torch.bincount(idx.flatten(), minlength=e)
+    cap = int(counts.max()) + 1  # a spare padding row as well
+    weight = torch.rand(t, top_k, generator=gen).to(dtype)
+    padded, at = mlp._dispatch(x, idx, counts, cap)
+    y = torch.randn(e * cap, d, generator=gen).to(dtype)
+    out = mlp._combine(y, at, weight)
+    monkeypatch.setattr(native, "moe_dispatch", lambda *a: None)
+    monkeypatch.setattr(native, "moe_combine", lambda *a: None)
+    want_padded, want_at = mlp._dispatch(x, idx, counts, cap)
+    assert torch.equal(padded, want_padded) and torch.equal(at, want_at)
+    assert torch.equal(out, mlp._combine(y, at, weight))
+    assert torch.equal(padded.view(e * cap, d)[at], x.repeat_interleave(top_k, 0))  # each row where `at` says

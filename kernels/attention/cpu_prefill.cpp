@@ -1,0 +1,146 @@
+// Causal attention of packed query blocks over their sequences' paged KV (prefill, with or
+// without a cached prefix), built and called by kernels/native.py; the contract of
+// kernels/attention/torch.py's paged_attention. One job per (sequence, KV head, block of QB
+// queries): the R query heads of the KV head are stacked into one [R * QB, Dk] block, key
+// blocks are read from the pages into fp32 rows and the block's softmax runs online (running
+// max and sum per row, the accumulator rescaled), so no [queries, keys] score matrix is kept.
+// The score and value products go through mm (matmul.h). fp32 throughout; o is fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "../matmul.h"
+
+namespace {
+
+constexpr int64_t QB = 64, KB = 256;  // queries per job block, keys per step
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+struct Job {
+  int64_t n, g, q0, rows;  // sequence, KV head, first query of the block (in its sequence), queries
+  double cost;
+};
+
+template <typename T>
+void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
+             const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
+  const int64_t H = q.size(1), Dk = q.size(2), N = static_cast<int64_t>(lens.size());
+  const int64_t page_size = kc.size(1), Hkv = kc.size(2), R = H / Hkv, width = pages.size(1);
+  const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
+  const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* pp = pages.data_ptr<int64_t>();
+  std::vector<Job> jobs;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t q0 = 0; q0 < cu[n + 1] - cu[n]; q0 += QB) {
+      const int64_t rows = std::min(QB, cu[n + 1] - cu[n] - q0);
+      const int64_t keys = lens[n] - (cu[n + 1] - cu[n]) + q0 + rows;  // keys of its last query
+      for (int64_t g = 0; g < Hkv; ++g) jobs.push_back({n, g, q0, rows, double(rows) * double(keys)});
+    }
+  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  const int64_t J = static_cast<int64_t>(jobs.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> Q(R * QB * Dk), K(KB * Dk), V(KB * Dv), S(R * QB * KB), acc(R * QB * Dv), m(R * QB),
+        l(R * QB);
+    std::vector<int64_t> pos(QB);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < J; ++j) {
+      const Job& job = jobs[j];
+      const int64_t E = cu[job.n + 1] - cu[job.n], rows = job.rows, M = R * rows;
+      const int64_t* table = pp + job.n * width;
+      for (int64_t i = 0; i < rows; ++i) pos[i] = lens[job.n] - E + job.q0 + i;  // key position of query i
+      for (int64_t r = 0; r < R; ++r)  // row r * rows + i: query i of head g * R + r
+        for (int64_t i = 0; i < rows; ++i) {
+          const T* src = qp + ((cu[job.n] + job.q0 + i) * H + job.g * R + r) * Dk;
+          float* dst = Q.data() + (r * rows + i) * Dk;
+          for (int64_t d = 0; d < Dk; ++d) dst[d] = as_float(src[d]) * scale;
+        }
+      std::fill(acc.begin(), acc.begin() + M * Dv, 0.f);
+      std::fill(m.begin(), m.begin() + M, -1e30f);  // finite: built with -ffast-math
+      std::fill(l.begin(), l.begin() + M, 0.f);
+      const int64_t last = pos[rows - 1];
+      for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+        const int64_t kb = std::min(KB, last + 1 - k0);
+        for (int64_t t = 0; t < kb; ++t) {  // key and value rows k0 + t, from their pages
+          const int64_t at = k0 + t, page = table[at / page_size], row = at % page_size;
+          const T* ks = kp + page * k_page + row * k_row + job.g * k_head;
+          const T* vs = vp + page * v_page + row * v_row + job.g * v_head;
+          for (int64_t d = 0; d < Dk; ++d) K[t * Dk + d] = as_float(ks[d]);
+          for (int64_t d = 0; d < Dv; ++d) V[t * Dv + d] = as_float(vs[d]);
+        }
+        mm(false, true, M, kb, Dk, 1.f, Q.data(), Dk, K.data(), Dk, 0.f, S.data(), KB);
+        for (int64_t row = 0; row < M; ++row) {  // online softmax over the keys this query sees
+          const int64_t seen = std::min(kb, pos[row % rows] + 1 - k0);
+          float* s = S.data() + row * KB;
+          float top = m[row];
+#pragma omp simd reduction(max : top)
+          for (int64_t t = 0; t < seen; ++t) top = std::max(top, s[t]);
+          const float corr = std::exp(m[row] - top);  // 0 at the first block
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t t = 0; t < seen; ++t) {
+            s[t] = std::exp(s[t] - top);
+            sum += s[t];
+          }
+          std::fill(s + std::max<int64_t>(seen, 0), s + kb, 0.f);  // keys after the query: masked
+          m[row] = top;
+          l[row] = l[row] * corr + sum;
+          float* a = acc.data() + row * Dv;
+          if (corr != 1.f)
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
+        }
+        mm(false, false, M, Dv, kb, 1.f, S.data(), KB, V.data(), Dv, 1.f, acc.data(), Dv);
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < rows; ++i) {
+          const float inv = 1.f / l[r * rows + i];
+          const float* a = acc.data() + (r * rows + i) * Dv;
+          float* dst = op + ((cu[job.n] + job.q0 + i) * H + job.g * R + r) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
+        }
+    }
+  }
+}
+
+}  // namespace
+
+// q [T, H, Dk] contiguous (fp32 or bf16); k_cache [P, page, Hkv, Dk] and v_cache [P, page, Hkv,
+// >= dv] in q's dtype with contiguous last dims (v_cache may be k_cache itself: MLA latents);
+// pages [N, width] int64; cu_seqlens [N+1] over the queries; seq_lens [N] keys per sequence
+// (prefix + queries, the queries last). Query i of sequence n sees keys 0 .. seq_lens[n] -
+// E_n + i. Returns o [T, H, dv] fp32.
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& pages, const at::Tensor& cu_seqlens, const at::Tensor& seq_lens,
+                         double scale, int64_t dv) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged_prefill: contiguous q [T, H, Dk]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_prefill: q, k_cache and v_cache of one dtype");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_prefill: contiguous last dims");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_prefill: query heads a multiple of KV heads");
+  auto cu_t = cu_seqlens.to(at::kLong).contiguous(), len_t = seq_lens.to(at::kLong).contiguous();
+  std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
+  std::vector<int64_t> lens(len_t.data_ptr<int64_t>(), len_t.data_ptr<int64_t>() + len_t.numel());
+  TORCH_CHECK(cu.size() == lens.size() + 1, "paged_prefill: cu_seqlens [N+1], seq_lens [N]");
+  for (size_t n = 0; n < lens.size(); ++n)
+    TORCH_CHECK(lens[n] >= cu[n + 1] - cu[n], "paged_prefill: seq_lens >= each sequence's queries");
+  auto pages_c = pages.to(at::kLong).contiguous();
+  auto out = at::empty({q.size(0), q.size(1), dv}, q.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill", [&] {
+    prefill<scalar_t>(q, k_cache, v_cache, pages_c, cu, lens, static_cast<float>(scale), dv,
+                      out.data_ptr<float>());
+  });
+  return out;
+}

@@ -1,0 +1,87 @@
+// Token routing of the padded mixture-of-experts path (models/layers/mlp.py run_experts), built
+// and called by kernels/native.py: moe_dispatch copies each (token, choice) row into its
+// expert's zero-padded block in one pass; moe_combine reads the expert outputs back and sums
+// each token's choices, weighted, with the torch path's roundings (the product in the
+// activation dtype, then the sum over the choices in order), so the results are the same bits.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
+
+}  // namespace
+
+// x [T, D] contiguous; idx [T, k] int64 expert of each choice; counts [E] int64 rows per expert;
+// cap >= max(counts). Returns (padded [E, cap, D] in x's dtype: expert e's rows in (token,
+// choice) order, then zeros; at [T * k] int64: the row of padded.view(E * cap, D) each
+// (token, choice) went to).
+std::tuple<at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& counts,
+                                                int64_t cap) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "moe_dispatch: contiguous x [T, D]");
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == x.size(0), "moe_dispatch: idx [T, k]");
+  const int64_t T = x.size(0), D = x.size(1), k = idx.size(1), E = counts.size(0);
+  auto id = idx.to(at::kLong).contiguous();
+  const int64_t* ip = id.data_ptr<int64_t>();
+  std::vector<int64_t> next(E, 0);
+  auto at_rows = at::empty({T * k}, id.options());
+  int64_t* ap = at_rows.data_ptr<int64_t>();
+  for (int64_t f = 0; f < T * k; ++f) {  // rank within the expert in (token, choice) order: a stable sort
+    const int64_t e = ip[f];
+    TORCH_CHECK(e >= 0 && e < E && next[e] < cap, "moe_dispatch: expert id out of range or counts too small");
+    ap[f] = e * cap + next[e]++;
+  }
+  auto padded = at::zeros({E, cap, D}, x.options());
+  const int64_t bytes = D * x.element_size();
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  char* pp = static_cast<char*>(padded.data_ptr());
+  at::parallel_for(0, T * k, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t f = begin; f < end; ++f) std::memcpy(pp + ap[f] * bytes, xp + (f / k) * bytes, bytes);
+  });
+  return {padded, at_rows};
+}
+
+namespace {
+
+// no fused multiply-add: the product is rounded on its own, as in torch
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void combine(const T* y, const int64_t* at, const T* w, int64_t N, int64_t k, int64_t D, T* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < k; ++c) {
+        const T* row = y + at[t * k + c] * D;
+        const float wc = as_float(w[t * k + c]);
+        for (int64_t d = 0; d < D; ++d) acc[d] += as_float(static_cast<T>(as_float(row[d]) * wc));
+      }
+      for (int64_t d = 0; d < D; ++d) out[t * D + d] = static_cast<T>(acc[d]);
+    }
+  });
+}
+
+}  // namespace
+
+// y [R, D] contiguous expert outputs (R >= every at); at [N * k] int64 as moe_dispatch returns;
+// weight [N, k] in y's dtype. Returns out [N, D]: sum over c of weight[t, c] * y[at[t * k + c]].
+at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at::Tensor& weight) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "moe_combine: contiguous y [R, D]");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == y.scalar_type(), "moe_combine: weight [N, k] in y's dtype");
+  const int64_t N = weight.size(0), k = weight.size(1), D = y.size(1);
+  TORCH_CHECK(at_rows.numel() == N * k, "moe_combine: at [N * k]");
+  auto a = at_rows.to(at::kLong).contiguous();
+  auto w = weight.contiguous();
+  auto out = at::empty({N, D}, y.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y.scalar_type(), "moe_combine", [&] {
+    combine<scalar_t>(y.data_ptr<scalar_t>(), a.data_ptr<int64_t>(), w.data_ptr<scalar_t>(), N, k, D,
+                      out.data_ptr<scalar_t>());
+  });
+  return out;
+}
