@@ -58,6 +58,8 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
 std::tuple<at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& counts,
                                                 int64_t cap);
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at::Tensor& weight);
+at::Tensor ssd_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                    const at::Tensor& C, const at::Tensor& D, at::Tensor& state, const at::Tensor& slots);
 at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
                      const at::Tensor& slots, bool silu);
 
@@ -68,6 +70,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_delta_rule", &chunk_delta_rule, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
   m.def("chunk_ssd", &chunk_ssd, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
   m.def("causal_conv1d", &causal_conv1d, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
+  m.def("ssd_step", &ssd_step, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
   m.def("conv_step", &conv_step, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
   m.def("moe_dispatch", &moe_dispatch, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
   m.def("moe_combine", &moe_combine, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");

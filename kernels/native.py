@@ -1,7 +1,7 @@
 """The compiled CPU kernels, built on first use: paged decode attention and the delta-rule
 decode step (attention/cpu_decode.cpp), paged prefill attention (attention/cpu_prefill.cpp),
 the chunkwise delta-rule prefill of KDA and GDN (kda/cpu_chunk.cpp), the Mamba2 SSD prefill
-(mamba2/cpu_ssd.cpp), the causal conv1d prefill and decode step (conv1d/cpu_conv.cpp) and the
+and decode step (mamba2/cpu_ssd.cpp), the causal conv1d prefill and decode step (conv1d/cpu_conv.cpp) and the
 token routing of the padded mixture of experts (moe/cpu_moe.cpp); native.cpp binds them into
 one module (matmul.h: the small matmul they share).
 
@@ -107,6 +107,17 @@ def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
     empty = weight.new_empty(0, dtype=torch.float32)
     return ext.causal_conv1d(x.contiguous(), weight.float(), empty if bias is None else bias.float(), state,
                              cu_seqlens, at_rows, silu)
+
+
+def ssd_step(x, dt, A, B, C, D, state, slots) -> torch.Tensor | None:
+    """One Mamba2 SSD token per sequence (kernels/mamba2/recurrent.py's rule) with the states
+    advanced in place in `state[slots]` (fp32); y [N, H, P] fp32, or None where the kernel
+    cannot run (the caller gathers and steps)."""
+    ext = extension() if state.device.type == "cpu" and state.dtype == torch.float32 else None
+    if ext is None:
+        return None
+    f = [t.float().contiguous() for t in (x, dt, A, B, C)]
+    return ext.ssd_step(*f, A.new_empty(0) if D is None else D.float().contiguous(), state, slots)
 
 
 def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import native
 from kernels.attention import write_kv
 from models.batch import ForwardBatch
 from models.config import ModelConfig
@@ -81,6 +82,7 @@ class Mamba2Mixer(nn.Module):
                                            checkpoint_at=ck, chunk_size=self.chunk),
             lambda rows, s0: step(*args(rows), initial_state=s0, output_final_state=True,
                                   cu_seqlens=torch.arange(rows.stop - rows.start + 1, device=dev)),
+            lambda rows, st, slots: native.ssd_step(*args(rows), st, slots),  # CPU: states in place
         )  # [T, H, P] fp32
         return self.out_proj(self.norm(y.reshape(t, -1), z))
 

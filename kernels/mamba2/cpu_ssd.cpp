@@ -149,3 +149,43 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tens
   });
   return {out, states};
 }
+
+// One SSD decode token per sequence with the states advanced in place: x [N, H, P], dt [N, H],
+// A [H], B and C [N, G, S], D [H] or empty, all fp32 contiguous; state [slots, H, P, S] fp32
+// read and written at rows `slots` [N] int64. Returns y [N, H, P] fp32; the rule of
+// kernels/mamba2/recurrent.py (h = exp(dt A) h + dt x B^T, y = h C + D x).
+at::Tensor ssd_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                    const at::Tensor& C, const at::Tensor& D, at::Tensor& state, const at::Tensor& slots) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &dt, &A, &B, &C, &state})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "ssd_step: contiguous fp32 inputs");
+  const int64_t N = x.size(0), H = x.size(1), P = x.size(2), G = B.size(1), S = B.size(2), R = H / G;
+  TORCH_CHECK(state.size(1) == H && state.size(2) == P && state.size(3) == S, "ssd_step: state [slots, H, P, S]");
+  auto sl = slots.to(at::kLong).contiguous();
+  auto y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *dp = dt.data_ptr<float>(), *ap = A.data_ptr<float>();
+  const float *bp = B.data_ptr<float>(), *cp = C.data_ptr<float>();
+  const float* Dp = D.numel() ? D.data_ptr<float>() : nullptr;
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  float *Sp = state.data_ptr<float>(), *yp = y.data_ptr<float>();
+  at::parallel_for(0, N * H, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t n = job / H, h = job % H, g = h / R;
+      const float d = dp[n * H + h], decay = std::exp(d * ap[h]);
+      const float *xx = xp + (n * H + h) * P, *bb = bp + (n * G + g) * S, *cc = cp + (n * G + g) * S;
+      float* St = Sp + (sp[n] * H + h) * P * S;
+      float* yy = yp + (n * H + h) * P;
+      for (int64_t i = 0; i < P; ++i) {
+        float* row = St + i * S;
+        const float dx = d * xx[i];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < S; ++j) {
+          row[j] = decay * row[j] + dx * bb[j];
+          acc += row[j] * cc[j];
+        }
+        yy[i] = Dp ? acc + Dp[h] * xx[i] : acc;
+      }
+    }
+  });
+  return y;
+}

@@ -209,3 +209,30 @@ def test_moe_routing_equals_torch_bitwise(dtype, top_k, monkeypatch):
     assert torch.equal(padded, want_padded) and torch.equal(at, want_at)
     assert torch.equal(out, mlp._combine(y, at, weight))
     assert torch.equal(padded.view(e * cap, d)[at], x.repeat_interleave(top_k, 0))  # each row where `at` says
+
+
+@needs_kernel
+@pytest.mark.parametrize("with_d", [True, False])
+def test_ssd_step_updates_slots_in_place(with_d):
+    """The compiled Mamba2 decode step equals the torch step (kernels/mamba2/recurrent.py) on
+    the states of the named slots, with grouped B/C heads, writes them in place, and leaves
+    every other slot as it was."""
+    from kernels.mamba2.recurrent import recurrent_ssd
+
+    gen = torch.Generator().manual_seed(6)
+    n, h, p, g, s = 5, 4, 8, 2, 16
+    x = torch.randn(n, h, p, generator=gen)
+    dt = torch.rand(n, h, generator=gen)
+    a = -torch.rand(h, generator=gen) * 4
+    b, c = torch.randn(n, g, s, generator=gen), torch.randn(n, g, s, generator=gen)
+    d = torch.randn(h, generator=gen) if with_d else None
+    state = torch.randn(8, h, p, s, generator=gen)
+    slots = torch.tensor([6, 1, 3, 0, 7])
+    want_y, want_s = recurrent_ssd(x, dt, a, b, c, d, initial_state=state[slots], output_final_state=True,
+                                   cu_seqlens=torch.arange(n + 1))
+    after = state.clone()
+    y = native.ssd_step(x, dt, a, b, c, d, after, slots)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after[slots], want_s, rtol=1e-5, atol=1e-5)
+    others = [i for i in range(8) if i not in slots.tolist()]
+    assert torch.equal(after[others], state[others])
