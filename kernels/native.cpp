@@ -60,6 +60,8 @@ std::tuple<at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::T
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at::Tensor& weight);
 at::Tensor ssd_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
                     const at::Tensor& C, const at::Tensor& D, at::Tensor& state, const at::Tensor& slots);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset, bool cast_first,
+                    const at::Tensor& gate, const std::string& act);
 at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
                      const at::Tensor& slots, bool silu);
 
@@ -71,6 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_ssd", &chunk_ssd, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
   m.def("causal_conv1d", &causal_conv1d, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
   m.def("ssd_step", &ssd_step, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
+  m.def("rms_norm", &rms_norm, "RMS norm, optionally gated, one pass per row (kernels/norm/cpu_norm.cpp)");
   m.def("conv_step", &conv_step, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
   m.def("moe_dispatch", &moe_dispatch, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
   m.def("moe_combine", &moe_combine, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");

@@ -2,7 +2,8 @@
 decode step (attention/cpu_decode.cpp), paged prefill attention (attention/cpu_prefill.cpp),
 the chunkwise delta-rule prefill of KDA and GDN (kda/cpu_chunk.cpp), the Mamba2 SSD prefill
 and decode step (mamba2/cpu_ssd.cpp), the causal conv1d prefill and decode step (conv1d/cpu_conv.cpp) and the
-token routing of the padded mixture of experts (moe/cpu_moe.cpp); native.cpp binds them into
+token routing of the padded mixture of experts (moe/cpu_moe.cpp) and the RMS norms
+(norm/cpu_norm.cpp); native.cpp binds them into
 one module (matmul.h: the small matmul they share).
 
 `torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "attention" / "cpu_prefill.cpp",
            HERE / "kda" / "cpu_chunk.cpp", HERE / "mamba2" / "cpu_ssd.cpp", HERE / "conv1d" / "cpu_conv.cpp",
-           HERE / "moe" / "cpu_moe.cpp"]
+           HERE / "moe" / "cpu_moe.cpp", HERE / "norm" / "cpu_norm.cpp"]
 
 
 @functools.cache
@@ -131,6 +132,20 @@ def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
     empty = weight.new_empty(0, dtype=torch.float32)
     return ext.conv_step(x.contiguous(), weight.float().contiguous(), empty if bias is None else bias.float(),
                          state, slots, silu)
+
+
+def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = False, gate=None,
+             act: str = "") -> torch.Tensor | None:
+    """models/layers/norm.py's norms in one pass: x / rms(x) in fp32, then times (offset + weight)
+    and act(gate) (act "silu", "sigmoid" or "" for a plain gate), cast to x's dtype; with
+    cast_first, cast to x's dtype first and times weight in that dtype. None where the kernel
+    cannot run."""
+    ok = _routable(x) and (gate is None or (_routable(gate) and gate.shape == x.shape))
+    ext = extension() if ok else None
+    if ext is None:
+        return None
+    g = x.new_empty(0) if gate is None else gate.contiguous()
+    return ext.rms_norm(x.contiguous(), weight.float().contiguous(), eps, offset, cast_first, g, act)
 
 
 def _routable(t: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""RMS norms in the fp32 form the reference models use."""
+"""RMS norms in the fp32 form the reference models use; on CPU one compiled pass per row
+(kernels/native.py), the torch formulation elsewhere."""
 from __future__ import annotations
 
 from typing import Callable
@@ -6,6 +7,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import native
 
 GATE_ACTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
@@ -20,6 +23,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if self.offset or self.weight.dtype == dtype:  # else the product below promotes
+            y = native.rms_norm(x, self.weight, self.eps, self.offset, cast_first=not self.offset)
+            if y is not None:
+                return y
         x = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         if self.offset:
             return (x * (self.offset + self.weight.float())).to(dtype)
@@ -32,11 +39,14 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6, activation: str = "silu"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.activation = eps, activation
         self.act = GATE_ACTS[activation]
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        y = native.rms_norm(x, self.weight, self.eps, gate=gate, act=self.activation)
+        if y is not None:
+            return y
         x = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)
         return (x * self.act(gate.float())).to(dtype)
 

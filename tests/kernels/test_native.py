@@ -236,3 +236,32 @@ def test_ssd_step_updates_slots_in_place(with_d):
     torch.testing.assert_close(after[slots], want_s, rtol=1e-5, atol=1e-5)
     others = [i for i in range(8) if i not in slots.tolist()]
     assert torch.equal(after[others], state[others])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", ["offset", "plain", "gated-silu", "gated-sigmoid"])
+def test_rms_norm_equals_torch_norm(dtype, form, monkeypatch):
+    """The compiled norms give models/layers/norm.py's torch formulation: (1 + w) and plain
+    RMSNorm (cast before the weight, as the reference models round) and the gated output norm
+    with an fp32 input and a gate in the model dtype, over [T, H, D] inputs."""
+    from models.layers.norm import GatedRMSNorm, RMSNorm
+
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(9, 3, 40, generator=gen) * 3).to(dtype)
+    if form.startswith("gated"):
+        norm = GatedRMSNorm(40, eps=1e-6, activation=form.split("-")[1])
+        x = x.float()
+        args = (x, torch.randn(9, 3, 40, generator=gen).to(dtype))
+    else:
+        norm = RMSNorm(40, 1e-6, offset=1.0 if form == "offset" else 0.0).to(dtype)
+        args = (x,)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40, generator=gen))
+        got = norm(*args)
+        with monkeypatch.context() as m:
+            m.setattr(native, "rms_norm", lambda *a, **k: None)
+            want = norm(*args)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = 2e-6 if got.dtype == torch.float32 else 1e-2  # bf16 outputs: one rounding apart at most
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
