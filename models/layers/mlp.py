@@ -32,8 +32,11 @@ class GatedMLP(nn.Module):
 
 class Stacked(NamedTuple):
     """The experts' weights as [E, out, in] stacks and biases as [E, 1, out] (None where the
-    experts have none); each expert's parameters are views of one row, so there is one copy."""
+    experts have none); each expert's parameters are views of one row, so there is one copy.
+    Gated experts without biases keep gate and up in one [E, 2 * inter, in] stack (`gate_up`,
+    of which `gate` and `up` are the halves), so both projections are one batched matmul."""
 
+    gate_up: torch.Tensor | None
     gate: torch.Tensor | None
     up: torch.Tensor
     down: torch.Tensor
@@ -67,7 +70,13 @@ def stack_experts(experts: nn.ModuleList) -> Stacked:
         gb, ub, db = (_stack(linears, "bias") for linears in (gate, up, down))
         assert u is not None and d is not None
         gb, ub, db = (b if b is None else b[:, None] for b in (gb, ub, db))
-        STACKS[experts] = Stacked(g, u, d, gb, ub, db, acts[0])
+        gu = None
+        if g is not None and gb is None and ub is None:  # one stack, the experts' weights views of its rows
+            gu, inter = torch.cat([g, u], 1), g.shape[1]
+            for e, (lg, lu) in enumerate(zip(gate, up)):
+                lg.weight.data, lu.weight.data = gu[e, :inter], gu[e, inter:]
+            g, u = gu[:, :inter], gu[:, inter:]
+        STACKS[experts] = Stacked(gu, g, u, d, gb, ub, db, acts[0])
     return STACKS[experts]
 
 
@@ -94,8 +103,12 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     if len(experts) * cap <= 2 * t * k and hasattr(experts[0], "parts"):
         w = stack_experts(experts)
         padded, at = _dispatch(x, idx, counts, cap)  # [E, cap, D]; [T * top_k] row of each (token, choice)
-        up = _bmm(padded, w.up, w.up_bias)
-        h = w.act(up) if w.gate is None else w.act(_bmm(padded, w.gate, w.gate_bias)) * up
+        if w.gate_up is not None:
+            gate, up = _bmm(padded, w.gate_up, None).chunk(2, -1)
+            h = w.act(gate) * up
+        else:
+            up = _bmm(padded, w.up, w.up_bias)
+            h = w.act(up) if w.gate is None else w.act(_bmm(padded, w.gate, w.gate_bias)) * up
         return _combine(_bmm(h, w.down, w.down_bias).flatten(0, 1), at, weight.to(x.dtype))
     order = flat.argsort(stable=True)  # [T * top_k] rows grouped by expert
     rows = x[order // k]  # [T * top_k, D] in expert order

@@ -41,3 +41,7 @@ def test_run_experts_matches_per_token(kind, routing):
     if routing == "balanced":
         stack = STACKS[experts].up
         assert experts[2].up_proj.weight.data_ptr() == stack[2].data_ptr()
+        if kind == "gated":  # gate and up: the two halves of one stack
+            gate_up = STACKS[experts].gate_up
+            assert experts[2].gate_proj.weight.data_ptr() == gate_up[2].data_ptr()
+            assert experts[2].up_proj.weight.data_ptr() == gate_up[2, 24:].data_ptr()
