@@ -48,8 +48,9 @@ class ThreadGovernor:
                  stat_path: str = "/proc/stat", own_cpu=None):
         self.ceiling, self.set_threads, self.interval, self.clock = ceiling, set_threads, interval, clock
         self.stat_path, self.own_cpu = stat_path, own_cpu or (lambda: sum(os.times()[:2]))
-        self.cpus = {f"cpu{c}" for c in os.sched_getaffinity(0)}
-        self.tick = os.sysconf("SC_CLK_TCK")
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+        self.cpus = {f"cpu{c}" for c in allowed}
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # no /proc/stat there anyway
         self.threads = ceiling
         self.others = 0.0  # cores others kept busy over the last interval
         self._last = self._sample()
@@ -60,7 +61,7 @@ class ThreadGovernor:
         try:
             with open(self.stat_path) as f:
                 for line in f:
-                    name, *ticks = line.split()
+                    name, *ticks = line.split() or [""]
                     if name in self.cpus:  # user nice system idle iowait irq softirq steal ...
                         t = [int(x) for x in ticks[:8]]
                         busy += sum(t) - t[3] - t[4]
