@@ -7,15 +7,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../widen.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
-static inline float as_float(float x) { return x; }
-// bf16 is the top half of an fp32: a shift the compiler vectorizes (c10's conversion it does not)
-static inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
 template <typename T>
 static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,

@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../widen.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -21,8 +23,6 @@ namespace {
 
 constexpr int64_t QB = 64, KB = 256;  // queries per job block, keys per step
 
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
 struct Job {
   int64_t n, g, q0, rows;  // sequence, KV head, first query of the block (in its sequence), queries

@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../widen.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -13,9 +15,6 @@
 #include <vector>
 
 namespace {
-
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
 // input u of sequence n at offset r from its start (r may be negative, down to -(W-1): the state)
 template <typename T>

@@ -11,6 +11,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../widen.h"
+
 #include "../matmul.h"
 
 #include <algorithm>
@@ -25,8 +27,6 @@ namespace {
 constexpr int64_t CHUNK = 64;
 constexpr int64_t BLK = 16;  // rows per block of the pair matrices and of the forward substitution
 
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
 struct Sizes {
   int64_t H, HV, K, V, gK;  // gK: K (KDA, one decay per channel) or 1 (GDN, one per head)

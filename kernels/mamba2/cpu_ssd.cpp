@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../widen.h"
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -18,9 +20,6 @@
 #include "../matmul.h"
 
 namespace {
-
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
 struct Sizes {
   int64_t H, G, P, S, L;

@@ -6,18 +6,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../widen.h"
+
 #include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
 #include <vector>
-
-namespace {
-
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
-
-}  // namespace
 
 // x [T, D] contiguous; idx [T, k] int64 expert of each choice; counts [E] int64 rows per expert;
 // cap >= max(counts). Returns (padded [E, cap, D] in x's dtype: expert e's rows in (token,

@@ -5,15 +5,14 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../widen.h"
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <string>
 
 namespace {
-
-inline float as_float(float x) { return x; }
-inline float as_float(c10::BFloat16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.x) << 16); }
 
 enum Act { kNone, kSilu, kSigmoid };
 
