@@ -23,10 +23,12 @@ def free_port() -> int:
 
 def wait_up(proc: subprocess.Popen, url: str, timeout: float, log: object = "its log") -> None:
     """Return once the server process answers GET /health with 200; RuntimeError if it exits
-    or `timeout` seconds pass first."""
+    or `timeout` seconds pass first (then it is killed, so no server outlives its caller)."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
             raise RuntimeError(f"the server did not come up; see {log}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:

@@ -6,8 +6,10 @@ token routing of the padded mixture of experts (moe/cpu_moe.cpp) and the RMS nor
 (norm/cpu_norm.cpp); native.cpp binds them into
 one module (matmul.h: the small matmul they share).
 
-`torch.utils.cpp_extension` compiles it once per machine (about a minute; cached under
-TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) with the machine's own vector
+`torch.utils.cpp_extension` compiles it once per machine and source version (about a minute;
+cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions/py3XX_cpu, in a folder
+named by a hash of the sources' folder and contents, flags and torch version, so two checkouts
+never rebuild each other's module) with the machine's own vector
 instructions (-ffast-math at compile time only: vector exp and reassociated sums; the link
 does not set the process's flush-to-zero mode). Where it cannot be built (no compiler, no
 ninja) or HYBRIDSERVE_NATIVE=0, each function here returns None and its caller runs the torch
@@ -15,10 +17,13 @@ formulation, which computes the same.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +34,42 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "attention" / "cpu_prefill.cpp",
            HERE / "kda" / "cpu_chunk.cpp", HERE / "mamba2" / "cpu_ssd.cpp", HERE / "conv1d" / "cpu_conv.cpp",
            HERE / "moe" / "cpu_moe.cpp", HERE / "norm" / "cpu_norm.cpp"]
+HEADERS = [HERE / "matmul.h", HERE / "widen.h"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def build_name() -> str:
+    """The module's name: one per checkout (the build files name the sources by path) and
+    version of the sources, flags and torch."""
+    h = hashlib.sha256(" ".join(CFLAGS + [torch.__version__, str(HERE.resolve())]).encode())
+    for p in SOURCES + HEADERS:
+        h.update(p.read_bytes())
+    return f"hybridserve_cpu_{h.hexdigest()[:12]}"
+
+
+def build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        py = f"py{sys.version_info.major}{sys.version_info.minor}"
+        root = str(Path.home() / ".cache" / "torch_extensions" / f"{py}_cpu")
+    return Path(root) / name
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold the folder for one build: an flock, which the kernel releases when its holder dies.
+    torch's own lock is a file that a killed build leaves behind, and every later load would
+    wait on it forever; under the flock no other build is live, so such a file is stale."""
+    import fcntl
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @functools.cache
@@ -45,8 +86,11 @@ def extension():
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
         t0 = time.perf_counter()
-        module = load(name="hybridserve_cpu", sources=[str(p) for p in SOURCES],
-                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        name = build_name()
+        directory = build_directory(name)
+        with build_lock(directory):
+            module = load(name=name, sources=[str(p) for p in SOURCES], build_directory=str(directory),
+                          extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
         log.info("CPU kernels ready in %.1f s (built once per machine, then loaded)",
                  time.perf_counter() - t0)
         return module

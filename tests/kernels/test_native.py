@@ -265,3 +265,52 @@ def test_rms_norm_equals_torch_norm(dtype, form, monkeypatch):
     assert got.dtype == want.dtype and got.shape == want.shape
     tol = 2e-6 if got.dtype == torch.float32 else 1e-2  # bf16 outputs: one rounding apart at most
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_build_lock_clears_a_killed_builds_lock_file(tmp_path):
+    """torch's lock file, left by a build that was killed, does not make the next build wait."""
+    (tmp_path / "lock").touch()
+    with native.build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+
+
+def test_build_lock_waits_for_a_live_build_and_not_for_a_killed_one(tmp_path):
+    """A second build waits while the first holder lives and gets in once it is killed."""
+    import subprocess
+    import sys
+    import threading
+
+    hold = ("import sys, time; from pathlib import Path; from kernels import native\n"
+            "with native.build_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+
+        def second_build():
+            with native.build_lock(tmp_path):
+                entered.set()
+
+        t = threading.Thread(target=second_build, daemon=True)
+        t.start()
+        assert not entered.wait(0.5)
+        holder.kill()
+        assert entered.wait(10)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_build_name_follows_the_sources(tmp_path, monkeypatch):
+    """A change to any source or header gives the module a new name (its own build folder)."""
+    copies = []
+    for p in native.SOURCES + native.HEADERS:
+        q = tmp_path / p.relative_to(native.HERE)
+        q.parent.mkdir(parents=True, exist_ok=True)
+        q.write_bytes(p.read_bytes())
+        copies.append(q)
+    monkeypatch.setattr(native, "SOURCES", copies[: len(native.SOURCES)])
+    monkeypatch.setattr(native, "HEADERS", copies[len(native.SOURCES):])
+    before = native.build_name()
+    copies[-1].write_text(copies[-1].read_text() + "\n// changed\n")
+    assert native.build_name() != before and native.build_name().isidentifier()
