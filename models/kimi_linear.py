@@ -10,6 +10,7 @@ from kernels.attention import write_kv
 from kernels.kda import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers.linear import fused_linear
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
@@ -41,17 +42,19 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         buf = batch.memory.state[self.state_idx]
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [T, 3*H*D]
+        q, k, v, f, b, g = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                                        self.g_a_proj)
+        qkv = torch.cat([q, k, v], -1)  # [T, 3*H*D]
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
         qkv = short_conv(batch, buf["conv"], qkv, w, None)
         t = x.shape[0]
         q, k, v = (y.reshape(t, self.h, self.d) for y in qkv.split(self.h * self.d, -1))  # [T, H, D]
         q, k = l2norm(q), l2norm(k)
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        g = -self.A_log.float().exp().view(self.h, 1) * F.softplus(f.view(t, self.h, self.d), threshold=20.0)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
-        o = delta_rule(batch, buf["recurrent"], "kda", q, k, v.float(), g, beta)  # [T, H, D]
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, self.h, self.d)
+        f = self.f_b_proj(f).float() + self.dt_bias.float()
+        decay = -self.A_log.float().exp().view(self.h, 1) * F.softplus(f.view(t, self.h, self.d), threshold=20.0)
+        beta = torch.sigmoid(b.float())  # [T, H]
+        o = delta_rule(batch, buf["recurrent"], "kda", q, k, v.float(), decay, beta)  # [T, H, D]
+        gate = self.g_b_proj(g).view(t, self.h, self.d)
         return self.o_proj(self.o_norm(o, gate).to(x.dtype).reshape(t, -1))
 
 
@@ -80,9 +83,11 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(t, self.h, -1).split([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.r, self.rope], -1)
+        lora = not hasattr(self, "q_proj")
+        q, kv = fused_linear(x, self.q_a_proj if lora else self.q_proj, self.kv_a_proj_with_mqa)
+        q = self.q_b_proj(self.q_a_layernorm(q)) if lora else q
+        q_nope, q_rope = q.reshape(t, self.h, -1).split([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
+        c, k_rope = kv.split([self.r, self.rope], -1)
         latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
         write_kv(cache, None, batch.kv_slots, latent[:, None])

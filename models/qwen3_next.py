@@ -12,6 +12,7 @@ from kernels.attention import write_kv
 from kernels.gdn import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers.linear import fused_linear
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
@@ -44,8 +45,9 @@ class GatedDeltaNet(nn.Module):
         h, hv, dk, dv = self.h, self.hv, self.dk, self.dv
         r = hv // h  # value heads per key head
         buf = batch.memory.state[self.state_idx]
-        q, k, v, z = self.in_proj_qkvz(x).view(t, h, -1).split([dk, dk, r * dv, r * dv], -1)  # [T, H, *]
-        b, a = self.in_proj_ba(x).view(t, h, 2 * r).split([r, r], -1)  # [T, H, r]
+        qkvz, ba = fused_linear(x, self.in_proj_qkvz, self.in_proj_ba)
+        q, k, v, z = qkvz.view(t, h, -1).split([dk, dk, r * dv, r * dv], -1)  # [T, H, *]
+        b, a = ba.view(t, h, 2 * r).split([r, r], -1)  # [T, H, r]
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)  # [T, 2*H*K + HV*V]
         w = self.conv1d.weight[:, 0]  # [2*H*K + HV*V, W]
         qkv = short_conv(batch, buf["conv"], qkv, w, None)
@@ -103,10 +105,11 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.h, 2 * self.d).chunk(2, -1)  # [T, H, D] each
+        q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = q.view(t, self.h, 2 * self.d).chunk(2, -1)  # [T, H, D] each
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.hkv, self.d))  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
+        k = self.k_norm(k.view(t, self.hkv, self.d))  # [T, Hkv, D]
+        v = v.view(t, self.hkv, self.d)  # [T, Hkv, D]
         cos, sin = rope_cos_sin(batch, self.rot, self.theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         caches = batch.memory.kv[self.kv_idx]  # name -> [num_pages, page_size, Hkv, D]
@@ -131,11 +134,13 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hid, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = F.softmax(self.gate(x), -1, dtype=torch.float)  # [T, E]
+        se = self.shared_expert
+        logits, shared_gate, gate, up = fused_linear(x, self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
+        probs = F.softmax(logits, -1, dtype=torch.float)  # [T, E]
         w, idx = probs.topk(self.top_k, -1)  # [T, top_k]
         if self.renorm:
             w = w / w.sum(-1, keepdim=True)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = torch.sigmoid(shared_gate) * se.finish(gate, up)
         return run_experts(x, self.experts, idx, w.to(x.dtype)) + shared
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native
+from models.layers.linear import fused_linear
 
 ACTS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square(), "gelu": F.gelu}
 
@@ -24,7 +25,12 @@ class GatedMLP(nn.Module):
         self.act = ACTS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.finish(*fused_linear(x, self.gate_proj, self.up_proj))
+
+    def finish(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """down(act(gate) * up) from gate_proj(x), up_proj(x) computed by the caller (which may
+        fuse them with other projections of x)."""
+        return self.down_proj(self.act(gate) * up)
 
     def parts(self):
         return self.gate_proj, self.up_proj, self.down_proj, self.act
@@ -46,6 +52,7 @@ class Stacked(NamedTuple):
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
+PAD_FREE_ROWS = 64  # at most this many rows per expert: the padded path, however skewed
 STACKS: weakref.WeakKeyDictionary[nn.ModuleList, Stacked] = weakref.WeakKeyDictionary()
 
 
@@ -89,9 +96,10 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     """sum_k weight[t, k] * experts[idx[t, k]](x[t]) for x [T, D], idx/weight [T, top_k].
 
     When the busiest expert's rows times the expert count is at most twice the T * top_k
-    (token, choice) rows (balanced routing, as in decode batches), the rows are copied into
-    zero-padded per-expert blocks and all experts run as one batched matmul per projection;
-    otherwise the rows are sorted by expert and each chosen expert runs once on its contiguous
+    (token, choice) rows (balanced routing), or no expert has more than PAD_FREE_ROWS rows
+    (decode batches: there a block's matmul costs its call, not its rows), the rows are copied
+    into zero-padded per-expert blocks and all experts run as one batched matmul per
+    projection; otherwise the rows are sorted by expert and each chosen expert runs once on its contiguous
     block. The outputs are read back in (token, choice) order and summed over the choices (no
     scatter-add). On CPU the compiled routing of kernels/native.py does the padded path's
     copies in one pass each, with the same results.
@@ -100,7 +108,7 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     flat = idx.flatten()
     counts = torch.bincount(flat, minlength=len(experts))  # [E]
     cap = int(counts.max())
-    if len(experts) * cap <= 2 * t * k and hasattr(experts[0], "parts"):
+    if (len(experts) * cap <= 2 * t * k or cap <= PAD_FREE_ROWS) and hasattr(experts[0], "parts"):
         w = stack_experts(experts)
         padded, at = _dispatch(x, idx, counts, cap)  # [E, cap, D]; [T * top_k] row of each (token, choice)
         if w.gate_up is not None:

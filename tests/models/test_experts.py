@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.layers.mlp import STACKS, GatedMLP, run_experts
+from models.layers.mlp import PAD_FREE_ROWS, STACKS, GatedMLP, run_experts
 from models.nemotron_h import MLP
 
 
@@ -20,13 +20,14 @@ def experts_of(kind):
 
 
 @pytest.mark.parametrize("kind", ["gated", "ungated+bias"])
-@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+@pytest.mark.parametrize("routing", ["balanced", "skewed-few", "skewed"])
 def test_run_experts_matches_per_token(kind, routing):
-    """Balanced routing takes the padded batched matmuls, skewed routing (every token on
-    experts 0 and 1) the per-expert blocks; both equal the per-token sum, and stacking keeps
-    one copy of the weights (the experts' parameters become views of the stack)."""
+    """Balanced routing, or skewed routing of few rows (every token on experts 0 and 1, at
+    most PAD_FREE_ROWS per expert), takes the padded batched matmuls; skewed routing of more
+    rows the per-expert blocks; both equal the per-token sum, and stacking keeps one copy of
+    the weights (the experts' parameters become views of the stack)."""
     experts = experts_of(kind)
-    t, k = 12, 2
+    t, k = (PAD_FREE_ROWS + 8 if routing == "skewed" else 12), 2
     x = torch.randn(t, 16)
     if routing == "balanced":
         idx = torch.stack([torch.arange(t) % 6, (torch.arange(t) + 1) % 6], 1)
@@ -37,8 +38,8 @@ def test_run_experts_matches_per_token(kind, routing):
         want = per_token(x, experts, idx, w)
         got = run_experts(x, experts, idx, w)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert (experts in STACKS) == (routing == "balanced")
-    if routing == "balanced":
+    assert (experts in STACKS) == (routing != "skewed")
+    if routing != "skewed":
         stack = STACKS[experts].up
         assert experts[2].up_proj.weight.data_ptr() == stack[2].data_ptr()
         if kind == "gated":  # gate and up: the two halves of one stack

@@ -1,0 +1,68 @@
+"""Linears that read the same input, run as one matmul.
+
+At decode sizes a matmul's fixed cost (dispatch, oneDNN's primitive lookup) outweighs its
+arithmetic: a [64, 256] x [256, 8] bf16 matmul takes as long as one with 256 outputs. So
+projections of one input (a block's q/k/v, a router beside a shared expert's gate and up)
+are one F.linear over their weights stacked by rows. On first use each Linear's weight (and
+bias) becomes a view of its rows of the stack, so there is still one copy of the weights.
+Each output column is the same dot product as before: bf16 outputs are bitwise those of
+the separate calls; fp32 outputs of very narrow projections (N <= 8) can differ in the last
+bit, where BLAS picks another kernel for a narrow matrix than for a wide one.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Fused(NamedTuple):
+    linears: tuple[nn.Linear, ...]
+    weight: torch.Tensor  # [sum of outs, in]
+    bias: torch.Tensor | None
+    sizes: list[int]
+
+
+FUSED: weakref.WeakKeyDictionary[nn.Linear, Fused] = weakref.WeakKeyDictionary()
+
+
+def fuse(linears: tuple[nn.Linear, ...]) -> Fused:
+    """The stack of `linears` (keyed by the first), built once; rebuilt if the weights were
+    replaced since (a `.to()` of the module makes new tensors, no longer views of the stack).
+    Where some have a bias and others not, the stack's bias holds zeros for the others."""
+    f = FUSED.get(linears[0])
+    if f is not None and f.linears == linears and linears[0].weight.data_ptr() == f.weight.data_ptr():
+        return f
+    if len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
+        raise ValueError("fused_linear: the linears must share in_features, dtype and device")
+    sizes = [lin.out_features for lin in linears]
+    weights = [lin.weight.data for lin in linears]
+    if adjacent(weights):  # already one stack's rows (e.g. experts' gate and up in stack_experts)
+        weight = weights[0].as_strided((sum(sizes), weights[0].shape[1]), weights[0].stride())
+    else:
+        weight = torch.cat(weights)
+        for lin, w in zip(linears, weight.split(sizes)):
+            lin.weight.data = w
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([weight.new_zeros(n) if lin.bias is None else lin.bias.data for lin, n in zip(linears, sizes)])
+        for lin, b in zip(linears, bias.split(sizes)):
+            if lin.bias is not None:
+                lin.bias.data = b
+    FUSED[linears[0]] = f = Fused(linears, weight, bias, sizes)
+    return f
+
+
+def adjacent(ts: list[torch.Tensor]) -> bool:
+    """Contiguous tensors that follow one another in one storage."""
+    ok = all(t.is_contiguous() and t.untyped_storage().data_ptr() == ts[0].untyped_storage().data_ptr() for t in ts)
+    return ok and all(b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(ts, ts[1:]))
+
+
+def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """(linears[0](x), linears[1](x), ...) from one matmul; each output a view of its columns."""
+    f = fuse(linears)
+    return F.linear(x, f.weight, f.bias).split(f.sizes, -1)
