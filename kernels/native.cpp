@@ -66,16 +66,18 @@ at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Te
                      const at::Tensor& slots, bool silu);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "attention decode over paged KV (kernels/attention/cpu_decode.cpp)");
-  m.def("paged_prefill", &paged_prefill, "causal attention of query blocks over paged KV (kernels/attention/cpu_prefill.cpp)");
-  m.def("delta_step", &delta_step, "KDA / GDN decode step, states in place (kernels/attention/cpu_decode.cpp)");
-  m.def("chunk_delta_rule", &chunk_delta_rule, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
-  m.def("chunk_ssd", &chunk_ssd, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
-  m.def("causal_conv1d", &causal_conv1d, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
-  m.def("ssd_step", &ssd_step, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
-  m.def("rms_norm", &rms_norm, "RMS norm, optionally gated, one pass per row (kernels/norm/cpu_norm.cpp)");
-  m.def("conv_step", &conv_step, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
-  m.def("moe_dispatch", &moe_dispatch, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
-  m.def("moe_combine", &moe_combine, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");
+  // the kernels touch no Python object: other threads (the server's event loop) run meanwhile
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode", &paged_decode, nogil, "attention decode over paged KV (kernels/attention/cpu_decode.cpp)");
+  m.def("paged_prefill", &paged_prefill, nogil, "causal attention of query blocks over paged KV (kernels/attention/cpu_prefill.cpp)");
+  m.def("delta_step", &delta_step, nogil, "KDA / GDN decode step, states in place (kernels/attention/cpu_decode.cpp)");
+  m.def("chunk_delta_rule", &chunk_delta_rule, nogil, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
+  m.def("chunk_ssd", &chunk_ssd, nogil, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
+  m.def("causal_conv1d", &causal_conv1d, nogil, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
+  m.def("ssd_step", &ssd_step, nogil, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
+  m.def("rms_norm", &rms_norm, nogil, "RMS norm, optionally gated, one pass per row (kernels/norm/cpu_norm.cpp)");
+  m.def("conv_step", &conv_step, nogil, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
+  m.def("moe_dispatch", &moe_dispatch, nogil, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
+  m.def("moe_combine", &moe_combine, nogil, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");
   m.def("matmul_blas", &matmul_blas, "the kernels' matmuls through torch's BLAS (true) or plain loops");
 }

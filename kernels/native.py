@@ -13,7 +13,8 @@ never rebuild each other's module) with the machine's own vector
 instructions (-ffast-math at compile time only: vector exp and reassociated sums; the link
 does not set the process's flush-to-zero mode). Where it cannot be built (no compiler, no
 ninja) or HYBRIDSERVE_NATIVE=0, each function here returns None and its caller runs the torch
-formulation, which computes the same.
+formulation, which computes the same. The kernels release the GIL while they run (they touch
+no Python object), so the server's event loop streams outputs meanwhile.
 """
 from __future__ import annotations
 

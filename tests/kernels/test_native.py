@@ -314,3 +314,38 @@ def test_build_name_follows_the_sources(tmp_path, monkeypatch):
     before = native.build_name()
     copies[-1].write_text(copies[-1].read_text() + "\n// changed\n")
     assert native.build_name() != before and native.build_name().isidentifier()
+
+
+@needs_kernel
+def test_kernels_let_other_python_threads_run():
+    """A compiled kernel releases the GIL while it runs: a Python thread beside it (the server's
+    event loop, streaming outputs) keeps running instead of waiting for the whole call."""
+    import threading
+    import time
+
+    x, w = torch.ones(2_000_000, 64), torch.ones(64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel on one core, the counting thread on the other
+    try:
+        t0 = time.perf_counter()
+        native.rms_norm(x, w, 1e-6)
+        call_s = time.perf_counter() - t0
+        done, gaps = threading.Event(), []
+
+        def count():
+            last = time.perf_counter()
+            while not done.is_set():
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        counter = threading.Thread(target=count)
+        counter.start()
+        for _ in range(3):
+            native.rms_norm(x, w, 1e-6)
+        done.set()
+        counter.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert call_s > 0.02  # long enough that a held GIL would show
+    assert max(gaps) < call_s / 2, (max(gaps), call_s)
