@@ -59,7 +59,7 @@ class Engine:
         self.config = config
         if torch.device(config.device).type == "cpu":
             keep_freed_memory()
-            native.extension()  # built once per machine (about a minute), not in the first decode step
+            native.extension()  # built once per source version (a few minutes), not in the first decode step
         torch.manual_seed(config.seed)
         self.path = builtin_path() if config.model == "builtin" else Path(config.model)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)

@@ -6,7 +6,7 @@ token routing of the padded mixture of experts (moe/cpu_moe.cpp) and the RMS nor
 (norm/cpu_norm.cpp); native.cpp binds them into
 one module (matmul.h: the small matmul they share).
 
-`torch.utils.cpp_extension` compiles it once per machine and source version (about a minute;
+`torch.utils.cpp_extension` compiles it once per machine and source version (a few minutes;
 cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions/py3XX_cpu, in a folder
 named by a hash of the sources' folder and contents, flags and torch version, so two checkouts
 never rebuild each other's module) with the machine's own vector
@@ -64,13 +64,10 @@ def build_lock(directory: Path):
     import fcntl
 
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "build.flock", "w") as f:
+    with open(directory / "build.flock", "w") as f:  # closing the file releases the flock
         fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            (directory / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
