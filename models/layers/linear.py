@@ -1,7 +1,8 @@
 """Linears that read the same input, run as one matmul.
 
 At decode sizes a matmul's fixed cost (dispatch, oneDNN's primitive lookup) outweighs its
-arithmetic: a [64, 256] x [256, 8] bf16 matmul takes as long as one with 256 outputs. So
+arithmetic: a [64, 256] x [256, 8] bf16 matmul takes about half as long as one with 256
+outputs, for 1/32 of the arithmetic (benchmarks/fused_projections.py). So
 projections of one input (a block's q/k/v, a router beside a shared expert's gate and up)
 are one F.linear over their weights stacked by rows. On first use each Linear's weight (and
 bias) becomes a view of its rows of the stack, so there is still one copy of the weights.
@@ -27,6 +28,7 @@ class Fused(NamedTuple):
 
 
 FUSED: weakref.WeakKeyDictionary[nn.Linear, Fused] = weakref.WeakKeyDictionary()
+ENABLED = True  # False: separate calls, for comparison (benchmarks/fused_projections.py)
 
 
 def fuse(linears: tuple[nn.Linear, ...]) -> Fused:
@@ -64,5 +66,7 @@ def adjacent(ts: list[torch.Tensor]) -> bool:
 
 def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
     """(linears[0](x), linears[1](x), ...) from one matmul; each output a view of its columns."""
+    if not ENABLED:
+        return tuple(lin(x) for lin in linears)
     f = fuse(linears)
     return F.linear(x, f.weight, f.bias).split(f.sizes, -1)
