@@ -2,16 +2,18 @@
 decode step (attention/cpu_decode.cpp), paged prefill attention (attention/cpu_prefill.cpp),
 the chunkwise delta-rule prefill of KDA and GDN (kda/cpu_chunk.cpp), the Mamba2 SSD prefill
 and decode step (mamba2/cpu_ssd.cpp), the causal conv1d prefill and decode step (conv1d/cpu_conv.cpp) and the
-token routing of the padded mixture of experts (moe/cpu_moe.cpp) and the RMS norms
-(norm/cpu_norm.cpp); native.cpp binds them into
-one module (matmul.h: the small matmul they share).
+token routing of the padded mixture of experts (moe/cpu_moe.cpp), the RMS norms
+(norm/cpu_norm.cpp) and the bf16 linears and gated experts over packed weights
+(gemm/cpu_gemm.cpp); native.cpp binds them into one module (matmul.h: the small matmul they
+share; denormal.h: denormals flushed to zero inside the kernels).
 
 `torch.utils.cpp_extension` compiles it once per machine and source version (a few minutes;
 cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions/py3XX_cpu, in a folder
 named by a hash of the sources' folder and contents, flags and torch version, so two checkouts
 never rebuild each other's module) with the machine's own vector
 instructions (-ffast-math at compile time only: vector exp and reassociated sums; the link
-does not set the process's flush-to-zero mode). Where it cannot be built (no compiler, no
+does not set the process's flush-to-zero mode, the kernels set it on their own threads while
+they run). Where it cannot be built (no compiler, no
 ninja) or HYBRIDSERVE_NATIVE=0, each function here returns None and its caller runs the torch
 formulation, which computes the same. The kernels release the GIL while they run (they touch
 no Python object), so the server's event loop streams outputs meanwhile.
@@ -26,7 +28,9 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,8 +38,8 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "attention" / "cpu_prefill.cpp",
            HERE / "kda" / "cpu_chunk.cpp", HERE / "mamba2" / "cpu_ssd.cpp", HERE / "conv1d" / "cpu_conv.cpp",
-           HERE / "moe" / "cpu_moe.cpp", HERE / "norm" / "cpu_norm.cpp"]
-HEADERS = [HERE / "matmul.h", HERE / "widen.h"]
+           HERE / "moe" / "cpu_moe.cpp", HERE / "norm" / "cpu_norm.cpp", HERE / "gemm" / "cpu_gemm.cpp"]
+HEADERS = [HERE / "matmul.h", HERE / "widen.h", HERE / "denormal.h"]
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
@@ -220,3 +224,57 @@ def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int
     empty = A.new_empty(0, dtype=torch.float32)
     return ext.chunk_ssd(x, dt.float().contiguous(), A.float().contiguous(), B, C,
                          empty if D is None else D.float(), state, cu_seqlens, checkpoints, chunk_size)
+
+
+# packed weights by id of the tensor they were packed from (dropped when it goes), valid while
+# its storage and version counter are those it was packed at (a load in place or a .to()
+# makes it pack anew); tensors compare elementwise, so they cannot be dictionary keys
+PACKED: dict[int, tuple] = {}
+
+
+def _bf16_gemm() -> Any:
+    ext = extension()
+    return ext if ext is not None and _bf16_gemm_supported(ext) else None
+
+
+@functools.cache
+def _bf16_gemm_supported(ext) -> bool:
+    return bool(ext.gemm_bf16_supported())
+
+
+def _packed(key: torch.Tensor, pack):
+    stamp = (key.data_ptr(), 0 if key.is_inference() else key._version)  # inference tensors keep no version
+    entry = PACKED.get(id(key))
+    if entry is None:
+        weakref.finalize(key, PACKED.pop, id(key), None)
+    if entry is None or entry[0] != stamp:
+        entry = PACKED[id(key)] = (stamp, pack())
+    return entry[1]
+
+
+def linear_bf16(x, weight, bias=None) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) for bf16 x [..., K] and weight [N, K] on CPU through the packed
+    micro-kernels of gemm/cpu_gemm.cpp (the weight packed on first use), or None where they
+    cannot run (another dtype or device, odd K, autograd, or a CPU without them: then torch's
+    matmul)."""
+    ok = x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+    ok = ok and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd here
+    ext = _bf16_gemm() if ok and weight.stride(1) == 1 else None
+    if ext is None:
+        return None
+    packed = _packed(weight, lambda: ext.pack_bf16(weight))
+    b = x.new_empty(0, dtype=torch.float32) if bias is None else bias.float()
+    out = ext.linear_bf16(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0], b)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def moe_bf16(x, idx, weight, gate_up, down, act: str) -> torch.Tensor | None:
+    """models/layers/mlp.py's run_experts for gated experts without biases in bf16 on CPU (x [T, D],
+    idx and weight [T, k], the experts' stacks gate_up [E, 2I, D] and down [E, D, I]), with the
+    torch path's roundings; None where the kernel cannot run."""
+    ok = x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and act == "silu"
+    ext = _bf16_gemm() if ok and x.shape[1] % 2 == 0 and down.shape[2] % 2 == 0 else None
+    if ext is None:
+        return None
+    gu, dn = _packed(gate_up, lambda: ext.pack_experts_bf16(gate_up, down))
+    return ext.moe_bf16(x.contiguous(), idx, weight.to(x.dtype), gu, dn, act)

@@ -10,7 +10,7 @@ from kernels.attention import write_kv
 from kernels.kda import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
-from models.layers.linear import fused_linear
+from models.layers.linear import Linear, fused_linear
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
@@ -24,21 +24,21 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         h, d, hid, w = cfg.linear_num_heads, cfg.linear_head_dim, cfg.hidden_size, cfg.linear_conv_kernel_dim
         self.h, self.d, self.state_idx = h, d, state_idx
-        self.q_proj = nn.Linear(hid, h * d, bias=False)
+        self.q_proj = Linear(hid, h * d, bias=False)
         self.q_conv1d = nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False)
-        self.k_proj = nn.Linear(hid, h * d, bias=False)
+        self.k_proj = Linear(hid, h * d, bias=False)
         self.k_conv1d = nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False)
-        self.v_proj = nn.Linear(hid, h * d, bias=False)
+        self.v_proj = Linear(hid, h * d, bias=False)
         self.v_conv1d = nn.Conv1d(h * d, h * d, w, groups=h * d, bias=False)
-        self.f_a_proj = nn.Linear(hid, d, bias=False)
-        self.f_b_proj = nn.Linear(d, h * d, bias=False)
+        self.f_a_proj = Linear(hid, d, bias=False)
+        self.f_b_proj = Linear(d, h * d, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(h * d))
         self.A_log = nn.Parameter(torch.zeros(1, 1, h, 1))
-        self.b_proj = nn.Linear(hid, h, bias=False)
-        self.g_a_proj = nn.Linear(hid, d, bias=False)
-        self.g_b_proj = nn.Linear(d, h * d, bias=False)
+        self.b_proj = Linear(hid, h, bias=False)
+        self.g_a_proj = Linear(hid, d, bias=False)
+        self.g_b_proj = Linear(d, h * d, bias=False)
         self.o_norm = GatedRMSNorm(d, eps=cfg.rms_norm_eps, activation="sigmoid")
-        self.o_proj = nn.Linear(h * d, hid, bias=False)
+        self.o_proj = Linear(h * d, hid, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         buf = batch.memory.state[self.state_idx]
@@ -70,15 +70,15 @@ class MLAttention(nn.Module):
         self.vd, self.r = cfg.v_head_dim, cfg.kv_lora_rank
         qd = h * (self.nope + self.rope)
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hid, qd, bias=False)
+            self.q_proj = Linear(hid, qd, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(hid, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, qd, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hid, self.r + self.rope, bias=cfg.attention_bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, qd, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hid, self.r + self.rope, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(self.r, eps=1e-6)
-        self.kv_b_proj = nn.Linear(self.r, h * (self.nope + self.vd), bias=False)
-        self.o_proj = nn.Linear(h * self.vd, hid, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(self.r, h * (self.nope + self.vd), bias=False)
+        self.o_proj = Linear(h * self.vd, hid, bias=cfg.attention_bias)
         self.scale = (self.nope + self.rope) ** -0.5
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -103,9 +103,9 @@ class MLAttention(nn.Module):
 class KimiExpert(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)  # gate
-        self.w2 = nn.Linear(inter, hidden, bias=False)  # down
-        self.w3 = nn.Linear(hidden, inter, bias=False)  # up
+        self.w1 = Linear(hidden, inter, bias=False)  # gate
+        self.w2 = Linear(inter, hidden, bias=False)  # down
+        self.w3 = Linear(hidden, inter, bias=False)  # up
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -11,6 +11,7 @@ from kernels import native
 from kernels.attention import write_kv
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers.linear import Linear
 from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import RMSNorm
@@ -52,14 +53,14 @@ class Mamba2Mixer(nn.Module):
         self.act = cfg.mamba_hidden_act
         inner = self.h * self.p
         self.conv_dim = inner + 2 * self.g * self.s
-        self.in_proj = nn.Linear(cfg.hidden_size, inner + self.conv_dim + self.h, bias=cfg.use_bias)
+        self.in_proj = Linear(cfg.hidden_size, inner + self.conv_dim + self.h, bias=cfg.use_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim,
                                 bias=cfg.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(self.h))
         self.A_log = nn.Parameter(torch.zeros(self.h))
         self.D = nn.Parameter(torch.ones(self.h))
         self.norm = GroupedGatedRMSNorm(inner, self.g, cfg.layer_norm_epsilon)
-        self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.use_bias)
+        self.out_proj = Linear(inner, cfg.hidden_size, bias=cfg.use_bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, dev = x.shape[0], x.device
@@ -97,10 +98,10 @@ class Attention(nn.Module):
         if h % hkv:
             raise ValueError(f"num_key_value_heads: {hkv} does not divide num_attention_heads {h}")
         self.h, self.hkv, self.d, self.kv_idx = h, hkv, d, kv_idx
-        self.q_proj = nn.Linear(hid, h * d, bias=False)
-        self.k_proj = nn.Linear(hid, hkv * d, bias=False)
-        self.v_proj = nn.Linear(hid, hkv * d, bias=False)
-        self.o_proj = nn.Linear(h * d, hid, bias=False)
+        self.q_proj = Linear(hid, h * d, bias=False)
+        self.k_proj = Linear(hid, hkv * d, bias=False)
+        self.v_proj = Linear(hid, hkv * d, bias=False)
+        self.o_proj = Linear(h * d, hid, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -120,8 +121,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, act: str, bias: bool = False):
         super().__init__()
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.up_proj = Linear(hidden, inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
         self.act = ACTS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,8 +143,8 @@ class MoE(nn.Module):
         d = latent or hid
         self.experts = nn.ModuleList(MLP(d, cfg.moe_intermediate_size, act) for _ in range(cfg.n_routed_experts))
         self.shared_experts = MLP(hid, cfg.moe_shared_expert_intermediate_size, act, cfg.mlp_bias)
-        self.fc1_latent_proj = nn.Linear(hid, latent, bias=cfg.mlp_bias) if latent else nn.Identity()
-        self.fc2_latent_proj = nn.Linear(latent, hid, bias=cfg.mlp_bias) if latent else nn.Identity()
+        self.fc1_latent_proj = Linear(hid, latent, bias=cfg.mlp_bias) if latent else nn.Identity()
+        self.fc2_latent_proj = Linear(latent, hid, bias=cfg.mlp_bias) if latent else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)  # [T, top_k]

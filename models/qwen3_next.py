@@ -12,7 +12,7 @@ from kernels.attention import write_kv
 from kernels.gdn import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
-from models.layers.linear import fused_linear
+from models.layers.linear import Linear, fused_linear
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
@@ -33,12 +33,12 @@ class GatedDeltaNet(nn.Module):
         key_dim, value_dim, hid = h * self.dk, hv * self.dv, cfg.hidden_size
         conv_dim = 2 * key_dim + value_dim
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False)
-        self.in_proj_qkvz = nn.Linear(hid, 2 * key_dim + 2 * value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hid, 2 * hv, bias=False)
+        self.in_proj_qkvz = Linear(hid, 2 * key_dim + 2 * value_dim, bias=False)
+        self.in_proj_ba = Linear(hid, 2 * hv, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(hv))
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(self.dv, eps=cfg.rms_norm_eps, activation="silu")
-        self.out_proj = nn.Linear(value_dim, hid, bias=False)
+        self.out_proj = Linear(value_dim, hid, bias=False)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -96,10 +96,10 @@ class GatedAttention(nn.Module):
         self.h, self.hkv, self.d, self.kv_idx = h, hkv, d, kv_idx
         self.rot, self.theta = int(d * rope.get("partial_rotary_factor", 1.0)), float(rope["rope_theta"])
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(hid, h * d * 2, bias=bias)
-        self.k_proj = nn.Linear(hid, hkv * d, bias=bias)
-        self.v_proj = nn.Linear(hid, hkv * d, bias=bias)
-        self.o_proj = nn.Linear(h * d, hid, bias=bias)
+        self.q_proj = Linear(hid, h * d * 2, bias=bias)
+        self.k_proj = Linear(hid, hkv * d, bias=bias)
+        self.v_proj = Linear(hid, hkv * d, bias=bias)
+        self.o_proj = Linear(h * d, hid, bias=bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
 
@@ -128,10 +128,10 @@ class SparseMoE(nn.Module):
         super().__init__()
         hid, act = cfg.hidden_size, cfg.hidden_act
         self.top_k, self.renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = nn.Linear(hid, cfg.num_experts, bias=False)
+        self.gate = Linear(hid, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(GatedMLP(hid, cfg.moe_intermediate_size, act) for _ in range(cfg.num_experts))
         self.shared_expert = GatedMLP(hid, cfg.shared_expert_intermediate_size, act)
-        self.shared_expert_gate = nn.Linear(hid, 1, bias=False)
+        self.shared_expert_gate = Linear(hid, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         se = self.shared_expert

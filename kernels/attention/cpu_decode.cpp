@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../denormal.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -32,6 +33,7 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
   const float sc = static_cast<float>(scale);
   // one sequence per job, all its heads together, so each key and value row is read once
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
     std::vector<float> qf(H * Dk), scores, total(H);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t L = lp[n];
@@ -122,6 +124,7 @@ at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   float *Sp = state.data_ptr<float>(), *op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, N * HV, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
     std::vector<float> err(V);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t n = job / HV, hv = job % HV, h = hv / R;

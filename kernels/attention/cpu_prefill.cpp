@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../denormal.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -52,6 +53,7 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
 #pragma omp parallel num_threads(threads)
   {
+    FlushDenormals flush;
     std::vector<float> Q(R * QB * Dk), K(KB * Dk), V(KB * Dv), S(R * QB * KB), acc(R * QB * Dv), m(R * QB),
         l(R * QB);
     std::vector<int64_t> pos(QB);

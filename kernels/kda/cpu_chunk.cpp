@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../denormal.h"
 #include "../widen.h"
 
 #include "../matmul.h"
@@ -40,7 +41,7 @@ struct Scratch {
   std::vector<float> k, kq, G, kout, A, X, e, R, C;
   explicit Scratch(const Sizes& s)
       : k(CHUNK * s.K), kq(2 * CHUNK * s.K), G(CHUNK * s.gK), kout(CHUNK * s.K), A(2 * CHUNK * CHUNK),
-        X(CHUNK * (s.V + s.K)), e(s.K), R(2 * BLK * s.K), C(CHUNK * s.K) {}
+        X(CHUNK * (s.V + s.K)), e(std::max(s.K, CHUNK)), R(2 * BLK * s.K), C(CHUNK * s.K) {}
 };
 
 template <typename T>
@@ -116,25 +117,41 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
     for (int64_t d = 0; d < V; ++d) X[i * VK + d] = as_float(vr[d]);
   }
   const float* last = G + (c - 1) * gK;
-  if (gK == 1) {  // A = [K; Q] K^T, then each pair's decay exp(G_i - G_j)
+  if (gK == 1) {  // A = [K; Q] K^T, then each pair's decay exp(G_i - G_j), a row at a time
     std::copy(k, k + c * K, kin);
     mm(false, true, 2 * c, c, K, 1.f, kq, K, k, K, 0.f, A, CHUNK);
-    for (int64_t i = 0; i < c; ++i)
+    for (int64_t i = 0; i < c; ++i) {
+      float *rk = A_kk + i * CHUNK, *rq = A_qk + i * CHUNK;
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) e[j] = std::exp(G[i] - G[j]);
+#pragma omp simd
       for (int64_t j = 0; j <= i; ++j) {
-        const float decay = std::exp(G[i] - G[j]);
-        A_kk[i * CHUNK + j] *= decay;
-        A_qk[i * CHUNK + j] *= decay * s.scale;
+        rk[j] *= e[j];
+        rq[j] *= e[j] * s.scale;
       }
+    }
   } else {  // per channel: see pairs()
     pairs(s, k, qin, G, c, w);
   }
   for (int64_t i = 0; i < c; ++i) {  // K exp(G) into X, Q exp(G) scale, K exp(G_last - G)
-    const float* Gi = G + i * gK;
-    for (int64_t d = 0; d < K; ++d) {
-      const float gi = Gi[gK == 1 ? 0 : d], gl = last[gK == 1 ? 0 : d];
-      X[i * VK + V + d] = k[i * K + d] * std::exp(gi);
-      qin[i * K + d] *= std::exp(gi) * s.scale;
-      kout[i * K + d] = k[i * K + d] * std::exp(gl - gi);
+    const float *Gi = G + i * gK, *ki = k + i * K;
+    float *xi = X + i * VK + V, *qi = qin + i * K, *oi = kout + i * K;
+    if (gK == 1) {  // one decay per head: two exps per token
+      const float now = std::exp(Gi[0]), rest = std::exp(last[0] - Gi[0]);
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) {
+        xi[d] = ki[d] * now;
+        qi[d] *= now * s.scale;
+        oi[d] = ki[d] * rest;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) {
+        const float now = std::exp(Gi[d]);
+        xi[d] = ki[d] * now;
+        qi[d] *= now * s.scale;
+        oi[d] = ki[d] * std::exp(last[d] - Gi[d]);
+      }
     }
     std::fill(A_qk + i * CHUNK + i + 1, A_qk + i * CHUNK + c, 0.f);  // causal: A_qk is read whole below
   }
@@ -180,6 +197,7 @@ void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), N * HV);
 #pragma omp parallel num_threads(threads)
   {
+    FlushDenormals flush;
     Scratch w(s);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < N * HV; ++j) {

@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../denormal.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -89,6 +90,7 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
 #pragma omp parallel num_threads(threads)
   {
+    FlushDenormals flush;
     Scratch w(s);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < J; ++j) {
@@ -167,6 +169,7 @@ at::Tensor ssd_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
   const int64_t* sp = sl.data_ptr<int64_t>();
   float *Sp = state.data_ptr<float>(), *yp = y.data_ptr<float>();
   at::parallel_for(0, N * H, 8, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t n = job / H, h = job % H, g = h / R;
       const float d = dp[n * H + h], decay = std::exp(d * ap[h]);

@@ -1,4 +1,12 @@
-"""Linears that read the same input, run as one matmul.
+"""Linears: bf16 on CPU through packed micro-kernels, and linears that read the same input
+run as one matmul.
+
+`linear` is F.linear, except for bf16 on CPUs with the compiled bf16 micro-kernels
+(kernels/gemm/cpu_gemm.cpp: AMX), where torch's matmul builds a oneDNN primitive for every
+new row count (3-6 ms at prefill sizes, and every round has another) and costs 25-50 us at
+decode sizes: there each weight is packed once and multiplied in 4-10 us at decode sizes,
+with the same bits (fp32 sums rounded once to bf16). `Linear` is nn.Linear running `linear`;
+the models build their projections from it.
 
 At decode sizes a matmul's fixed cost (dispatch, oneDNN's primitive lookup) outweighs its
 arithmetic: a [64, 256] x [256, 8] bf16 matmul takes about half as long as one with 256
@@ -18,6 +26,21 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels import native
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the packed bf16 micro-kernels where they run."""
+    out = native.linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias) if out is None else out
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and checkpoint names) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class Fused(NamedTuple):
@@ -69,4 +92,4 @@ def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ..
     if not ENABLED:
         return tuple(lin(x) for lin in linears)
     f = fuse(linears)
-    return F.linear(x, f.weight, f.bias).split(f.sizes, -1)
+    return linear(x, f.weight, f.bias).split(f.sizes, -1)

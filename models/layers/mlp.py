@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native
-from models.layers.linear import fused_linear
+from models.layers.linear import Linear, fused_linear
 
 ACTS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square(), "gelu": F.gelu}
 
@@ -19,9 +19,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, act: str = "silu"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
         self.act = ACTS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +102,16 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     projection; otherwise the rows are sorted by expert and each chosen expert runs once on its contiguous
     block. The outputs are read back in (token, choice) order and summed over the choices (no
     scatter-add). On CPU the compiled routing of kernels/native.py does the padded path's
-    copies in one pass each, with the same results.
+    copies in one pass each, with the same results; in bf16 on CPUs with the packed
+    micro-kernels, gated silu experts without biases run as one compiled call instead (each
+    expert on its own rows, no padding), with the same roundings.
     """
+    if x.dtype == torch.bfloat16 and hasattr(experts[0], "parts"):
+        w = stack_experts(experts)
+        if w.gate_up is not None and w.act is ACTS["silu"]:
+            out = native.moe_bf16(x, idx, weight, w.gate_up, w.down, "silu")
+            if out is not None:
+                return out
     t, k = idx.shape
     flat = idx.flatten()
     counts = torch.bincount(flat, minlength=len(experts))  # [E]

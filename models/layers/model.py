@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from models.batch import ForwardBatch
+from models.layers.linear import Linear
 from models.layers.norm import RMSNorm
 
 
@@ -54,7 +55,7 @@ class CausalLM(nn.Module):
         super().__init__()
         names = (self.embed_name, self.norm_name)
         self.add_module(self.prefix, Backbone(hf, block_cls, self.layer_kinds(hf), eps, self.norm_offset, names))
-        self.lm_head = nn.Linear(hf.hidden_size, hf.vocab_size, bias=False)
+        self.lm_head = Linear(hf.hidden_size, hf.vocab_size, bias=False)
         self.tied = bool(getattr(hf, "tie_word_embeddings", False))
         self.tie_weights()
 

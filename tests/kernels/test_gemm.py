@@ -1,0 +1,117 @@
+"""The packed bf16 micro-kernels (kernels/gemm/cpu_gemm.cpp) give torch's bf16 results, and the
+compiled kernels leave the denormal mode of torch's threads as they found it."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import native
+from models.layers import mlp
+from models.layers.linear import Linear, linear
+from models.layers.mlp import GatedMLP, run_experts
+
+needs_bf16_gemm = pytest.mark.skipif(native._bf16_gemm() is None, reason="no bf16 micro-kernels on this CPU (AMX)")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [0, 1, 5, 64, 65, 300])
+@pytest.mark.parametrize("outs", [1, 8, 100, 256])
+def test_linear_equals_torch_bit_for_bit(rows, outs):
+    """Any row count, output widths that are and are not whole blocks of 32: every output is
+    torch's bf16 matmul's, every bit (fp32 sums rounded once)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + outs)
+    w = torch.randn(outs, 96, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    got = native.linear_bf16(x, w)
+    assert got is not None and got.dtype == torch.bfloat16
+    assert torch.equal(got, F.linear(x, w))
+
+
+@needs_bf16_gemm
+def test_linear_bias_strided_weight_and_batch_dims():
+    """A bias is added in fp32 before the one rounding; a weight that is a row range of a larger
+    stack (fused projections) and inputs with leading batch dims work as F.linear's do."""
+    gen = torch.Generator().manual_seed(0)
+    stack = torch.randn(80, 64, generator=gen).bfloat16()
+    w, b = stack[16:56], torch.randn(40, generator=gen).bfloat16()
+    x = torch.randn(3, 7, 64, generator=gen).bfloat16()
+    got = linear(x, w, b)
+    want = (F.linear(x.float(), w.float()) + b.float()).bfloat16()
+    assert got.shape == (3, 7, 40) and torch.equal(got, want)
+    assert torch.equal(linear(x, w), F.linear(x, w))
+
+
+def test_linear_falls_back_to_torch_where_the_kernels_do_not_run():
+    """fp32, odd input widths and autograd go to F.linear (None from the wrapper)."""
+    x = torch.randn(4, 9)
+    assert native.linear_bf16(x, torch.randn(3, 9)) is None
+    assert native.linear_bf16(x.bfloat16(), torch.randn(3, 9).bfloat16()) is None
+    w = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
+    assert native.linear_bf16(torch.randn(4, 8).bfloat16(), w) is None
+    layer = Linear(9, 3)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_bf16_gemm
+def test_packed_weight_follows_changed_weights():
+    """A weight changed in place (its version counter) or replaced by .to() is packed anew,
+    never served from a stale pack."""
+    layer = Linear(64, 32, bias=False).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(2)
+        assert torch.equal(layer(x), F.linear(x, layer.weight)) and not torch.equal(layer(x), first)
+        layer.to(torch.float32).to(torch.bfloat16)
+        layer.weight.copy_(torch.ones_like(layer.weight))
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+def experts_and_routing(tokens: int, seed: int = 0):
+    torch.manual_seed(seed)
+    experts = nn.ModuleList(GatedMLP(64, 48) for _ in range(6)).bfloat16()
+    x = torch.randn(tokens, 64).bfloat16()
+    idx = torch.stack([torch.randperm(6)[:2] for _ in range(tokens)])
+    return experts, x, idx, torch.rand(tokens, 2).bfloat16()
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_moe_equals_the_torch_path(monkeypatch, tokens):
+    """One compiled call per layer gives the padded torch path's result with its roundings:
+    bit for bit except where the vector exp rounds a silu differently, one bf16 step there."""
+    experts, x, idx, w = experts_and_routing(tokens)
+    with torch.no_grad():
+        got = run_experts(x, experts, idx, w)
+        monkeypatch.setattr(mlp.native, "moe_bf16", lambda *a: None)
+        want = run_experts(x, experts, idx, w)
+    same = (got == want).float().mean().item()
+    assert same > 0.99, same
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+
+
+@needs_bf16_gemm
+def test_moe_routes_every_choice_to_one_expert():
+    """Skewed routing (every token on the same two experts, several row blocks each) and an
+    expert no token chose."""
+    experts, x, _, w = experts_and_routing(150)
+    idx = torch.tensor([[3, 0]] * 150)
+    with torch.no_grad():
+        got = run_experts(x, experts, idx, w)
+        want = torch.stack([w[t, 0].float() * experts[3](x[t : t + 1]).float()[0]
+                            + w[t, 1].float() * experts[0](x[t : t + 1]).float()[0] for t in range(150)])
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(native.extension() is None, reason="CPU kernels not built here")
+def test_kernels_leave_the_denormal_mode_of_torch_threads():
+    """The kernels flush denormals only while they run: afterwards torch's ops on the calling
+    thread and on its worker threads still produce denormals."""
+    from kernels.attention.torch import decode
+    from tests.kernels.test_attention import make_batch
+
+    b = make_batch([3, 40, 9], [1, 1, 1], (4, 2), 16)
+    decode(b.q, b.k_cache, b.v_cache, b.page_table, torch.tensor([3, 40, 9]), 0.25, 16)
+    tiny = torch.full((1 << 20,), 1e-39)  # big enough for torch to split it over its threads
+    assert bool(((tiny * 1.0) == 1e-39).all())
+    assert float(torch.tensor(1e-39) * 1.0) != 0.0
