@@ -1,7 +1,7 @@
 // CPU decode kernels, built and called by kernels/native.py:
 // - paged_decode: attention over a paged KV cache, one query per sequence, read straight from
-//   the pages (no gathered copy of the keys), fp32 accumulation, parallel over sequences; the
-//   contract of kernels/attention/torch.py's `paged_attention` for rows with one query.
+//   the pages (no gathered copy of the keys), fp32 accumulation, parallel over (sequence, KV
+//   head); the contract of kernels/attention/torch.py's `paged_attention` for rows with one query.
 // - delta_step: one KDA / GDN token per sequence with the recurrent states updated in place
 //   in their slots (no gather / scatter of the states); kernels/kda/recurrent.py's rule.
 #include <torch/extension.h>
@@ -14,12 +14,55 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
+
+namespace {
+
+// dot product and a += p * x over fp32 rows of D; AVX-512 where the build has it (D a multiple
+// of 16 there), else loops the compiler vectorizes
+inline float dot(const float* a, const float* b, int64_t D) {
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float p, const float* x, float* a, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) a[d] += p * x[d];
+}
+
+// rows [n] of D elements (row stride ld) as fp32 into dst [n, D]; fp32 rows are used in place
 template <typename T>
-static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
-                   const at::Tensor& lens, double scale, at::Tensor& out) {
+const float* as_rows(const T* src, int64_t ld, int64_t n, int64_t D, float* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (ld == D) return src;
+  }
+  for (int64_t t = 0; t < n; ++t)
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) dst[t * D + d] = as_float(src[t * ld + d]);
+  return dst;
+}
+
+// One job per (sequence, KV head): its R query heads walk the pages once, each page's keys and
+// values widened to fp32 once for all R heads; the softmax runs online page by page (running
+// max and sum per head, the accumulator rescaled), so no score row of the whole sequence is kept.
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
+            const at::Tensor& lens, double scale, at::Tensor& out) {
   const int64_t N = q.size(0), H = q.size(1), Dk = q.size(2), Dv = out.size(2);
   const int64_t page_size = kc.size(1), Hkv = kc.size(2), R = H / Hkv, width = pages.size(1);
   const T* qp = q.data_ptr<T>();
@@ -31,58 +74,55 @@ static void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& 
   const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
   const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
   const float sc = static_cast<float>(scale);
-  // one sequence per job, all its heads together, so each key and value row is read once
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+  const int64_t J = N * Hkv;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
+#pragma omp parallel num_threads(threads)
+  {
     FlushDenormals flush;
-    std::vector<float> qf(H * Dk), scores, total(H);
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t L = lp[n];
+    std::vector<float> qf(R * Dk), kbuf(page_size * Dk), vbuf(page_size * Dv), p(R * page_size), m(R), l(R);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t job = 0; job < J; ++job) {
+      const int64_t n = job / Hkv, g = job % Hkv, L = lp[n];
       const int64_t* table = pp + n * width;
-      float* acc = op + n * H * Dv;  // query head h = g * R + r reads KV head g
-      scores.resize(H * L);
-      for (int64_t i = 0; i < H * Dk; ++i) qf[i] = as_float(qp[n * H * Dk + i]) * sc;
-      for (int64_t t0 = 0; t0 < L; t0 += page_size) {  // scores: one pass over the keys, page by page
-        const T* page = kp + table[t0 / page_size] * k_page;
-        for (int64_t t = t0; t < std::min(L, t0 + page_size); ++t) {
-          for (int64_t h = 0; h < H; ++h) {
-            const T* k = page + (t - t0) * k_row + (h / R) * k_head;
-            const float* qh = qf.data() + h * Dk;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < Dk; ++d) s += qh[d] * as_float(k[d]);
-            scores[h * L + t] = s;
+      float* acc = op + (n * H + g * R) * Dv;  // query heads g * R .. g * R + R - 1
+      for (int64_t i = 0; i < R * Dk; ++i) qf[i] = as_float(qp[(n * H + g * R) * Dk + i]) * sc;
+      std::fill(acc, acc + R * Dv, 0.f);
+      std::fill(m.begin(), m.end(), -1e30f);  // finite: built with -ffast-math
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t t0 = 0; t0 < L; t0 += page_size) {
+        const int64_t cnt = std::min(page_size, L - t0), page = table[t0 / page_size];
+        const float* keys = as_rows(kp + page * k_page + g * k_head, k_row, cnt, Dk, kbuf.data());
+        for (int64_t r = 0; r < R; ++r) {  // scores, then this page's share of the softmax
+          float* pr = p.data() + r * page_size;
+          float top = m[r];
+          for (int64_t t = 0; t < cnt; ++t) {
+            pr[t] = dot(qf.data() + r * Dk, keys + t * Dk, Dk);
+            top = std::max(top, pr[t]);
           }
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {  // softmax numerators in place
-        float* s = scores.data() + h * L;
-        const float top = L ? *std::max_element(s, s + L) : 0.f;
-        float sum = 0.f;
+          const float corr = std::exp(m[r] - top);  // 0 at the first page
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < L; ++t) {
-          s[t] = std::exp(s[t] - top);
-          sum += s[t];
-        }
-        total[h] = sum;
-      }
-      std::fill(acc, acc + H * Dv, 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += page_size) {  // values: one pass, page by page
-        const T* page = vp + table[t0 / page_size] * v_page;
-        for (int64_t t = t0; t < std::min(L, t0 + page_size); ++t) {
-          for (int64_t h = 0; h < H; ++h) {
-            const T* v = page + (t - t0) * v_row + (h / R) * v_head;
-            const float p = scores[h * L + t];
-            float* a = acc + h * Dv;
-#pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) a[d] += p * as_float(v[d]);
+          for (int64_t t = 0; t < cnt; ++t) {
+            pr[t] = std::exp(pr[t] - top);
+            sum += pr[t];
           }
+          m[r] = top;
+          l[r] = l[r] * corr + sum;
+          if (corr != 1.f)
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= corr;
         }
+        const float* values = as_rows(vp + page * v_page + g * v_head, v_row, cnt, Dv, vbuf.data());
+        for (int64_t t = 0; t < cnt; ++t)
+          for (int64_t r = 0; r < R; ++r) axpy(p[r * page_size + t], values + t * Dv, acc + r * Dv, Dv);
       }
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < Dv; ++d) acc[h * Dv + d] /= total[h];
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] /= l[r];
     }
-  });
+  }
 }
+
+}  // namespace
 
 // q [N, H, Dk]; k_cache [P, page_size, Hkv, >= Dk] and v_cache [P, page_size, Hkv, >= Dv] with
 // unit stride in the last dim (a view of the k rows for the MLA latent layout); pages [N, W]
@@ -131,8 +171,9 @@ at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       float* S = Sp + (sp[n] * HV + hv) * K * V;
       const float *kk = kp + (n * H + h) * K, *qq = qp + (n * H + h) * K, *gg = gp + (n * HV + hv) * gK;
       std::fill(err.begin(), err.end(), 0.f);
+      const float head_decay = std::exp(gg[0]);  // GDN: one decay for the whole state
       for (int64_t i = 0; i < K; ++i) {  // decay the state, accumulate S^T k
-        const float d = std::exp(gg[gK == 1 ? 0 : i]), ki = kk[i];
+        const float d = gK == 1 ? head_decay : std::exp(gg[i]), ki = kk[i];
         float* row = S + i * V;
 #pragma omp simd
         for (int64_t j = 0; j < V; ++j) {

@@ -106,6 +106,7 @@ template <typename T, typename S>
 void conv_step_impl(const T* x, const float* w, const float* bias, S* state, const int64_t* slots, int64_t N,
                     int64_t D, int64_t W, bool silu, T* y) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
     for (int64_t n = begin; n < end; ++n) {
       S* st = state + slots[n] * D * (W - 1);
       const T* xn = x + n * D;
@@ -114,14 +115,18 @@ void conv_step_impl(const T* x, const float* w, const float* bias, S* state, con
         S* s = st + d * (W - 1);  // the W-1 inputs before this token, oldest first
         const float* wd = w + d * W;
         const float u = as_float(xn[d]);
-        float acc = 0.f;
-        for (int64_t j = 0; j < W - 1; ++j) acc += as_float(s[j]) * wd[j];
-        acc += u * wd[W - 1];
-        if (bias) acc += bias[d];
-        yn[d] = static_cast<T>(silu ? acc / (1.f + std::exp(-acc)) : acc);
+        float a = 0.f;
+        for (int64_t j = 0; j < W - 1; ++j) a += as_float(s[j]) * wd[j];
+        a += u * wd[W - 1];
+        acc[d] = bias ? a + bias[d] : a;
         for (int64_t j = 0; j + 1 < W - 1; ++j) s[j] = s[j + 1];  // shift the window by this token
         if (W > 1) s[W - 2] = static_cast<S>(u);
       }
+      if (silu) {  // a second pass, so the exps run as vectors
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / (1.f + std::exp(-acc[d]));
+      }
+      for (int64_t d = 0; d < D; ++d) yn[d] = static_cast<T>(acc[d]);
     }
   });
 }

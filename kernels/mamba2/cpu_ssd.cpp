@@ -27,10 +27,10 @@ struct Sizes {
 };
 
 struct Scratch {
-  std::vector<float> x, xs, B, C, scores, y, a, acum;
+  std::vector<float> x, xs, B, C, scores, y, a, acum, seg, dts;
   Scratch(const Sizes& s)
       : x(s.L * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), scores(s.L * s.L), y(s.L * s.P), a(s.L),
-        acum(s.L) {}
+        acum(s.L), seg(s.L), dts(s.L) {}
 };
 
 template <typename T>
@@ -56,16 +56,23 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
     acum[i] = (i ? acum[i - 1] : 0.f) + a[i];
   }
   mm(false, true, c, c, S, 1.f, C, S, B, S, 0.f, sc, L);  // C_i . B_j
-  for (int64_t j = 0; j < c; ++j) {  // times exp(seg[i, j]) dt_j below the diagonal, 0 above
-    const float dtj = in.dt[(t0 + j) * s.H + hd];
-    float seg = 0.f;
-    for (int64_t i = 0; i < j; ++i) sc[i * L + j] = 0.f;
-    for (int64_t i = j; i < c; ++i) {
-      if (i > j) seg += a[i];
-      sc[i * L + j] *= std::exp(seg) * dtj;
-      if (i == c - 1)
-        for (int64_t p = 0; p < P; ++p) xs[j * P + p] = x[j * P + p] * std::exp(seg) * dtj;  // into the end state
-    }
+  // times exp(seg[i, j]) dt_j below the diagonal, 0 above, a row at a time: seg[j] holds
+  // a_{j+1} + ... + a_i, summed in that order as i grows (the torch path's order)
+  float *seg = w.seg.data(), *dts = w.dts.data();
+  for (int64_t j = 0; j < c; ++j) dts[j] = in.dt[(t0 + j) * s.H + hd];
+  for (int64_t i = 0; i < c; ++i) {
+    float* row = sc + i * L;
+#pragma omp simd
+    for (int64_t j = 0; j < i; ++j) seg[j] += a[i];
+    seg[i] = 0.f;
+#pragma omp simd
+    for (int64_t j = 0; j <= i; ++j) row[j] *= std::exp(seg[j]) * dts[j];
+    std::fill(row + i + 1, row + c, 0.f);
+  }
+  for (int64_t j = 0; j < c; ++j) {  // dt_j exp(seg[last, j]) x_j: into the end state
+    const float f = std::exp(seg[j]) * dts[j];
+#pragma omp simd
+    for (int64_t p = 0; p < P; ++p) xs[j * P + p] = x[j * P + p] * f;
   }
   mm(false, false, c, P, c, 1.f, sc, L, x, P, 0.f, y, P);  // intra-chunk
   for (int64_t i = 0; i < c; ++i) {                          // C_i exp(acum_i), then the entry state's share
