@@ -1,6 +1,7 @@
 """The compiled CPU kernels, built on first use: paged decode attention and the delta-rule
 decode step (attention/cpu_decode.cpp), paged prefill attention (attention/cpu_prefill.cpp),
-the chunkwise delta-rule prefill of KDA and GDN (kda/cpu_chunk.cpp), the Mamba2 SSD prefill
+the chunkwise delta-rule prefill of KDA and GDN (kda/cpu_chunk.cpp) and its inputs from a
+layer's projections (kda/cpu_prepare.cpp), the Mamba2 SSD prefill
 and decode step (mamba2/cpu_ssd.cpp), the causal conv1d prefill and decode step (conv1d/cpu_conv.cpp) and the
 token routing of the padded mixture of experts (moe/cpu_moe.cpp), the RMS norms
 (norm/cpu_norm.cpp) and the bf16 linears and gated experts over packed weights
@@ -37,8 +38,9 @@ import torch
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "attention" / "cpu_prefill.cpp",
-           HERE / "kda" / "cpu_chunk.cpp", HERE / "mamba2" / "cpu_ssd.cpp", HERE / "conv1d" / "cpu_conv.cpp",
-           HERE / "moe" / "cpu_moe.cpp", HERE / "norm" / "cpu_norm.cpp", HERE / "gemm" / "cpu_gemm.cpp"]
+           HERE / "kda" / "cpu_chunk.cpp", HERE / "kda" / "cpu_prepare.cpp", HERE / "mamba2" / "cpu_ssd.cpp",
+           HERE / "conv1d" / "cpu_conv.cpp", HERE / "moe" / "cpu_moe.cpp", HERE / "norm" / "cpu_norm.cpp",
+           HERE / "gemm" / "cpu_gemm.cpp"]
 HEADERS = [HERE / "matmul.h", HERE / "widen.h", HERE / "denormal.h"]
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
@@ -141,6 +143,18 @@ def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: fl
     q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
     return ext.chunk_delta_rule(q, k, v, g.float().contiguous(), beta.float().contiguous(), state, cu_seqlens,
                                 checkpoints, scale, min_log_decay)
+
+
+def delta_prepare(x, h: int, k: int, hv: int, v: int, a, A_log, dt_bias, b, eps: float):
+    """models/layers/state.py's delta_inputs in one pass per token: (q, k, v, g [T, HV, gK], beta), all
+    fp32, or None where the kernel cannot run."""
+    ok = _routable(x) and a.dtype == b.dtype == x.dtype and x.dim() == 2 and a.dim() == b.dim() == 3
+    ok = ok and x.stride(1) == a.stride(2) == b.stride(2) == 1
+    ext = extension() if ok else None
+    if ext is None:
+        return None
+    return tuple(ext.delta_prepare(x, h, k, hv, v, a, A_log.float().reshape(-1).contiguous(),
+                                   dt_bias.float().reshape(-1).contiguous(), b, eps))
 
 
 def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):

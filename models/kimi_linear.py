@@ -13,8 +13,8 @@ from models.config import ModelConfig
 from models.layers.linear import Linear, fused_linear
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
-from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
-from models.layers.state import delta_rule, short_conv
+from models.layers.norm import GatedRMSNorm, RMSNorm
+from models.layers.state import delta_inputs, delta_rule, short_conv
 
 
 class KimiDeltaAttention(nn.Module):
@@ -47,13 +47,10 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([q, k, v], -1)  # [T, 3*H*D]
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
         qkv = short_conv(batch, buf["conv"], qkv, w, None)
-        t = x.shape[0]
-        q, k, v = (y.reshape(t, self.h, self.d) for y in qkv.split(self.h * self.d, -1))  # [T, H, D]
-        q, k = l2norm(q), l2norm(k)
-        f = self.f_b_proj(f).float() + self.dt_bias.float()
-        decay = -self.A_log.float().exp().view(self.h, 1) * F.softplus(f.view(t, self.h, self.d), threshold=20.0)
-        beta = torch.sigmoid(b.float())  # [T, H]
-        o = delta_rule(batch, buf["recurrent"], "kda", q, k, v.float(), decay, beta)  # [T, H, D]
+        t, hd = x.shape[0], (self.h, self.d, self.h, self.d)
+        # fp32 q, k, v [T, H, D] (q, k l2-normalised), decay [T, H, D], beta [T, H]
+        q, k, v, decay, beta = delta_inputs(qkv, hd, self.f_b_proj(f)[:, None], self.A_log, self.dt_bias, b[:, None])
+        o = delta_rule(batch, buf["recurrent"], "kda", q, k, v, decay, beta)  # [T, H, D]
         gate = self.g_b_proj(g).view(t, self.h, self.d)
         return self.o_proj(self.o_norm(o, gate).to(x.dtype).reshape(t, -1))
 

@@ -15,8 +15,8 @@ from models.config import ModelConfig
 from models.layers.linear import Linear, fused_linear
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
-from models.layers.norm import GatedRMSNorm, RMSNorm, l2norm
-from models.layers.state import delta_rule, short_conv
+from models.layers.norm import GatedRMSNorm, RMSNorm
+from models.layers.state import delta_inputs, delta_rule, short_conv
 
 
 class GatedDeltaNet(nn.Module):
@@ -51,12 +51,9 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)  # [T, 2*H*K + HV*V]
         w = self.conv1d.weight[:, 0]  # [2*H*K + HV*V, W]
         qkv = short_conv(batch, buf["conv"], qkv, w, None)
-        q, k, v = qkv.split([h * dk, h * dk, hv * dv], -1)
-        q, k = l2norm(q.view(t, h, dk)), l2norm(k.view(t, h, dk))  # [T, H, K] fp32
-        v = v.reshape(t, hv, dv).float()  # [T, HV, V]
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(t, hv).float() + self.dt_bias.float())  # [T, HV]
-        beta = b.reshape(t, hv).float().sigmoid()  # [T, HV]
-        o = delta_rule(batch, buf["recurrent"], "gdn", q, k, v, g, beta)  # [T, HV, V]
+        # fp32 q, k [T, H, K] l2-normalised, v [T, HV, V], g [T, HV, 1], beta [T, HV]
+        q, k, v, g, beta = delta_inputs(qkv, (h, dk, hv, dv), a, self.A_log, self.dt_bias, b)
+        o = delta_rule(batch, buf["recurrent"], "gdn", q, k, v, g.view(t, hv), beta)  # [T, HV, V]
         o = self.norm(o, z.reshape(t, hv, dv)).to(x.dtype)
         return self.out_proj(o.reshape(t, -1))
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from kernels import native
 from models.batch import ForwardBatch
+from models.layers.norm import l2norm
 
 # prefill(rows, initial [Np, ...], cu_seqlens [Np+1], checkpoint_at [C] | None)
 #   -> (out, final [Np, ...]) or (out, final, states [C, ...])
@@ -91,3 +93,25 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
                            cu_seqlens=torch.arange(r.stop - r.start + 1, device=q.device)),
         in_place,
     )
+
+
+def delta_inputs(qkv: torch.Tensor, heads: tuple[int, int, int, int], a: torch.Tensor, A_log: torch.Tensor,
+                 dt_bias: torch.Tensor, b: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+    """The delta-rule kernels' inputs from a KDA / GDN layer's conv output and gate projections.
+
+    qkv [T, 2*H*K + HV*V]: q heads, k heads, v heads (`heads` = (H, K, HV, V)); a [T, G, C]: the
+    decays' inputs, HV (GDN) or HV*K (KDA) per token; b [T, Gb, Cb]: HV beta inputs per token (views
+    with any strides but the last). Returns fp32 q, k [T, H, K] (l2-normalised), v [T, HV, V],
+    g = -exp(A_log) softplus(a + dt_bias) [T, HV, a's count / HV], beta = sigmoid(b) [T, HV]; on
+    CPU in one compiled pass (kernels/kda/cpu_prepare.cpp)."""
+    h, k_dim, hv, v_dim = heads
+    out = native.delta_prepare(qkv, h, k_dim, hv, v_dim, a, A_log, dt_bias, b, eps)
+    if out is not None:
+        return out
+    t = qkv.shape[0]
+    q, k, v = qkv.split([h * k_dim, h * k_dim, hv * v_dim], -1)
+    q, k = l2norm(q.reshape(t, h, k_dim), eps), l2norm(k.reshape(t, h, k_dim), eps)
+    gk = a.shape[1] * a.shape[2] // hv
+    u = a.reshape(t, hv, gk).float() + dt_bias.float().reshape(hv, gk)
+    g = -A_log.float().reshape(hv, 1).exp() * F.softplus(u, threshold=20.0)
+    return q, k, v.reshape(t, hv, v_dim).float(), g, b.reshape(t, hv).float().sigmoid()
