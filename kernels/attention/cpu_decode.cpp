@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include "../denormal.h"
+#include "../matmul.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -57,9 +58,50 @@ const float* as_rows(const T* src, int64_t ld, int64_t n, int64_t D, float* dst)
   return dst;
 }
 
-// One job per (sequence, KV head): its R query heads walk the pages once, each page's keys and
-// values widened to fp32 once for all R heads; the softmax runs online page by page (running
-// max and sum per head, the accumulator rescaled), so no score row of the whole sequence is kept.
+// The online softmax of R query rows over one block of n keys whose scores are in p (rows of ld):
+// running max m and sum l per row, the accumulator rows acc (Dv each) rescaled; p becomes the
+// block's numerators.
+inline void softmax_block(float* p, int64_t ld, int64_t rows, int64_t n, float* m, float* l, float* acc, int64_t Dv) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* pr = p + r * ld;
+    float top = m[r];
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, pr[t]);
+    const float corr = std::exp(m[r] - top);  // 0 at the first block
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      pr[t] = std::exp(pr[t] - top);
+      sum += pr[t];
+    }
+    m[r] = top;
+    l[r] = l[r] * corr + sum;
+    if (corr != 1.f)
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= corr;
+  }
+}
+
+// Leading pages that every sequence's page table shares and that hold keys of every sequence only
+// (a prefix cached once and read by all: a shared system prompt, the common turns of a chat).
+int64_t shared_pages(const int64_t* pages, int64_t width, const int64_t* lens, int64_t N, int64_t page_size) {
+  if (N < 2) return 0;
+  const int64_t shortest = *std::min_element(lens, lens + N);
+  int64_t c = 0;
+  for (; c < width && (c + 1) * page_size <= shortest; ++c)
+    for (int64_t n = 1; n < N; ++n)
+      if (pages[n * width + c] != pages[c]) return c;
+  return c;
+}
+
+constexpr int64_t SHARED_ROWS = 64;  // query rows (sequences x R) per job over the shared pages
+
+// Decode attention, one query per sequence. The pages all sequences share come first, as
+// matmuls: per (KV head, block of sequences), the block's R * rows queries against each shared
+// page (keys and values widened to fp32 once per job), so a prefix common to the batch costs a
+// matmul instead of a pass per sequence. Then one job per (sequence, KV head) continues the same
+// online softmax (running max and sum per query head, the accumulator rescaled) over its own
+// pages, widening each page once for the R query heads of the KV head. No score row of a whole
+// sequence is kept.
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
             const at::Tensor& lens, double scale, at::Tensor& out) {
@@ -70,54 +112,65 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   const T* vp = vc.data_ptr<T>();
   const int64_t* pp = pages.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  float* op = out.data_ptr<float>();  // the accumulators, [N, H, Dv]
   const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
   const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
   const float sc = static_cast<float>(scale);
-  const int64_t J = N * Hkv;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
+  std::vector<float> m(N * H, -1e30f), l(N * H, 0.f);  // -1e30: finite, built with -ffast-math
+  std::fill(op, op + N * H * Dv, 0.f);
+  const int64_t shared = shared_pages(pp, width, lp, N, page_size);
+  const int64_t seqs = std::max<int64_t>(1, SHARED_ROWS / R), blocks = (N + seqs - 1) / seqs;
+  const int64_t J1 = shared ? Hkv * blocks : 0, J2 = N * Hkv;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(J1, J2)));
 #pragma omp parallel num_threads(threads)
   {
     FlushDenormals flush;
-    std::vector<float> qf(R * Dk), kbuf(page_size * Dk), vbuf(page_size * Dv), p(R * page_size), m(R), l(R);
+    const int64_t rows_max = std::max(seqs, int64_t{1}) * R;
+    std::vector<float> qf(rows_max * Dk), kbuf(page_size * Dk), vbuf(page_size * Dv), p(rows_max * page_size);
+    std::vector<float> acc(rows_max * Dv);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t job = 0; job < J1; ++job) {  // the shared pages: rows (n, r) of one KV head at once
+      const int64_t g = job % Hkv, n0 = job / Hkv * seqs, ns = std::min(seqs, N - n0), rows = ns * R;
+      for (int64_t i = 0; i < ns; ++i)
+        for (int64_t d = 0; d < R * Dk; ++d) qf[i * R * Dk + d] = as_float(qp[((n0 + i) * H + g * R) * Dk + d]) * sc;
+      std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
+      float *mb = m.data() + n0 * H, *lb = l.data() + n0 * H;  // rows (n, r) of this block: see below
+      std::vector<float> mr(rows, -1e30f), lr(rows, 0.f);
+      for (int64_t c = 0; c < shared; ++c) {
+        const int64_t page = pp[c];
+        const float* keys = as_rows(kp + page * k_page + g * k_head, k_row, page_size, Dk, kbuf.data());
+        const float* values = as_rows(vp + page * v_page + g * v_head, v_row, page_size, Dv, vbuf.data());
+        mm(false, true, rows, page_size, Dk, 1.f, qf.data(), Dk, keys, Dk, 0.f, p.data(), page_size);
+        softmax_block(p.data(), page_size, rows, page_size, mr.data(), lr.data(), acc.data(), Dv);
+        mm(false, false, rows, Dv, page_size, 1.f, p.data(), page_size, values, Dv, 1.f, acc.data(), Dv);
+      }
+      for (int64_t i = 0; i < ns; ++i)
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t row = i * R + r, h = g * R + r;
+          mb[i * H + h] = mr[row];
+          lb[i * H + h] = lr[row];
+          std::copy(acc.begin() + row * Dv, acc.begin() + (row + 1) * Dv, op + ((n0 + i) * H + h) * Dv);
+        }
+    }
 #pragma omp for schedule(dynamic, 4)
-    for (int64_t job = 0; job < J; ++job) {
+    for (int64_t job = 0; job < J2; ++job) {  // each sequence's own pages, from where the shared ones left off
       const int64_t n = job / Hkv, g = job % Hkv, L = lp[n];
       const int64_t* table = pp + n * width;
-      float* acc = op + (n * H + g * R) * Dv;  // query heads g * R .. g * R + R - 1
+      float* a = op + (n * H + g * R) * Dv;  // query heads g * R .. g * R + R - 1
+      float *mg = m.data() + n * H + g * R, *lg = l.data() + n * H + g * R;
       for (int64_t i = 0; i < R * Dk; ++i) qf[i] = as_float(qp[(n * H + g * R) * Dk + i]) * sc;
-      std::fill(acc, acc + R * Dv, 0.f);
-      std::fill(m.begin(), m.end(), -1e30f);  // finite: built with -ffast-math
-      std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += page_size) {
+      for (int64_t t0 = shared * page_size; t0 < L; t0 += page_size) {
         const int64_t cnt = std::min(page_size, L - t0), page = table[t0 / page_size];
         const float* keys = as_rows(kp + page * k_page + g * k_head, k_row, cnt, Dk, kbuf.data());
-        for (int64_t r = 0; r < R; ++r) {  // scores, then this page's share of the softmax
-          float* pr = p.data() + r * page_size;
-          float top = m[r];
-          for (int64_t t = 0; t < cnt; ++t) {
-            pr[t] = dot(qf.data() + r * Dk, keys + t * Dk, Dk);
-            top = std::max(top, pr[t]);
-          }
-          const float corr = std::exp(m[r] - top);  // 0 at the first page
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < cnt; ++t) {
-            pr[t] = std::exp(pr[t] - top);
-            sum += pr[t];
-          }
-          m[r] = top;
-          l[r] = l[r] * corr + sum;
-          if (corr != 1.f)
-#pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= corr;
-        }
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t t = 0; t < cnt; ++t) p[r * page_size + t] = dot(qf.data() + r * Dk, keys + t * Dk, Dk);
+        softmax_block(p.data(), page_size, R, cnt, mg, lg, a, Dv);
         const float* values = as_rows(vp + page * v_page + g * v_head, v_row, cnt, Dv, vbuf.data());
         for (int64_t t = 0; t < cnt; ++t)
-          for (int64_t r = 0; r < R; ++r) axpy(p[r * page_size + t], values + t * Dv, acc + r * Dv, Dv);
+          for (int64_t r = 0; r < R; ++r) axpy(p[r * page_size + t], values + t * Dv, a + r * Dv, Dv);
       }
       for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] /= l[r];
+        for (int64_t d = 0; d < Dv; ++d) a[r * Dv + d] /= lg[r];
     }
   }
 }

@@ -32,6 +32,39 @@ def test_kernel_equals_torch_decode(dtype, layout, page_size):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+@pytest.mark.parametrize("lens", [[40, 33, 70, 36], [40, 12, 70, 36], [32, 32, 32]])
+def test_decode_over_pages_shared_by_every_sequence(dtype, layout, lens):
+    """Sequences whose page tables start with the same pages (a prefix cached once): those pages
+    run as matmuls over all sequences' queries, the rest per sequence, and the result equals the
+    reference. Shared pages count only while every sequence fills them (12 keys: none; 32: the
+    first two of 16, with nothing after them)."""
+    gen = torch.Generator().manual_seed(3)
+    ps = 16
+    heads, dims = ((6, 2), (16, 16)) if layout == "gqa" else ((4, 1), (24, 16))
+    own = [(n - 1) // ps + 1 - 2 for n in lens]  # pages past the two shared ones
+    num_pages = 2 + sum(max(o, 0) for o in own)
+    order = torch.randperm(num_pages - 2, generator=gen) + 2
+    table, at = torch.zeros(len(lens), max(own) + 2, dtype=torch.long), 0
+    for i, o in enumerate(own):
+        table[i, :2] = torch.tensor([1, 0])  # the shared pages, in that order
+        table[i, 2 : 2 + max(o, 0)] = order[at : at + max(o, 0)]
+        at += max(o, 0)
+    k_cache = torch.randn(num_pages, ps, heads[1], dims[0], generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages, ps, heads[1], dims[1], generator=gen).to(dtype)
+    v_rows = k_cache if layout == "mla" else v_cache
+    q = torch.randn(len(lens), heads[0], dims[0], generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens)
+    got = native.paged_decode(q, k_cache, v_rows, table, seq_lens, 0.3, dims[1])
+    k = read_kv(k_cache, table, max(lens))
+    v = k[..., : dims[1]] if layout == "mla" else read_kv(v_cache, table, max(lens))
+    want = _decode(q.float(), k.float(), v.float(), seq_lens, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 def test_decode_falls_back_to_torch(monkeypatch):
     """Without the kernel (not built, or HYBRIDSERVE_NATIVE=0) decode gathers and computes the same."""
     lens = [3, 40, 9]
