@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger(__name__)
+EMPTY = torch.empty(0)  # "none" for the kernels' optional tensor arguments
 HERE = Path(__file__).parent
 SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "attention" / "cpu_prefill.cpp",
            HERE / "kda" / "cpu_chunk.cpp", HERE / "kda" / "cpu_prepare.cpp", HERE / "mamba2" / "cpu_ssd.cpp",
@@ -128,7 +129,7 @@ def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | N
     ext = extension() if state.device.type == "cpu" and state.dtype == torch.float32 else None
     if ext is None:
         return None
-    f = [x.float().contiguous() for x in (q, k, v, g, beta)]
+    f = [_f32(x) for x in (q, k, v, g, beta)]
     return ext.delta_step(*f, state, slots, scale)
 
 
@@ -141,7 +142,7 @@ def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: fl
     if ext is None:
         return None
     q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
-    return ext.chunk_delta_rule(q, k, v, g.float().contiguous(), beta.float().contiguous(), state, cu_seqlens,
+    return ext.chunk_delta_rule(q, k, v, _f32(g), _f32(beta), state, cu_seqlens,
                                 checkpoints, scale, min_log_decay)
 
 
@@ -153,8 +154,7 @@ def delta_prepare(x, h: int, k: int, hv: int, v: int, a, A_log, dt_bias, b, eps:
     ext = extension() if ok else None
     if ext is None:
         return None
-    return tuple(ext.delta_prepare(x, h, k, hv, v, a, A_log.float().reshape(-1).contiguous(),
-                                   dt_bias.float().reshape(-1).contiguous(), b, eps))
+    return tuple(ext.delta_prepare(x, h, k, hv, v, a, _f32(A_log).view(-1), _f32(dt_bias).view(-1), b, eps))
 
 
 def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
@@ -177,8 +177,8 @@ def ssd_step(x, dt, A, B, C, D, state, slots) -> torch.Tensor | None:
     ext = extension() if state.device.type == "cpu" and state.dtype == torch.float32 else None
     if ext is None:
         return None
-    f = [t.float().contiguous() for t in (x, dt, A, B, C)]
-    return ext.ssd_step(*f, A.new_empty(0) if D is None else D.float().contiguous(), state, slots)
+    f = [_f32(t) for t in (x, dt, A, B, C)]
+    return ext.ssd_step(*f, A.new_empty(0) if D is None else _f32(D), state, slots)
 
 
 def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
@@ -190,7 +190,7 @@ def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
     if ext is None:
         return None
     empty = weight.new_empty(0, dtype=torch.float32)
-    return ext.conv_step(x.contiguous(), weight.float().contiguous(), empty if bias is None else bias.float(),
+    return ext.conv_step(_dense(x), _f32(weight), empty if bias is None else _f32(bias),
                          state, slots, silu)
 
 
@@ -204,8 +204,18 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = Fals
     ext = extension() if ok else None
     if ext is None:
         return None
-    g = x.new_empty(0) if gate is None else gate.contiguous()
-    return ext.rms_norm(x.contiguous(), weight.float().contiguous(), eps, offset, cast_first, g, act)
+    g = EMPTY if gate is None else _dense(gate)
+    return ext.rms_norm(_dense(x), _f32(weight), eps, offset, cast_first, g, act)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous fp32; t itself when it already is (no op dispatched: these wrappers run
+    hundreds of times a decode step)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _routable(t: torch.Tensor) -> bool:
@@ -277,8 +287,10 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor | None:
     if ext is None:
         return None
     packed = _packed(weight, lambda: ext.pack_bf16(weight))
-    b = x.new_empty(0, dtype=torch.float32) if bias is None else bias.float()
-    out = ext.linear_bf16(x.reshape(-1, x.shape[-1]).contiguous(), packed, weight.shape[0], b)
+    b = EMPTY if bias is None else _f32(bias)
+    if x.dim() == 2:
+        return ext.linear_bf16(_dense(x), packed, weight.shape[0], b)
+    out = ext.linear_bf16(_dense(x.reshape(-1, x.shape[-1])), packed, weight.shape[0], b)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
