@@ -56,23 +56,41 @@ class Detokenizer:
     `text` is the decoded text so far; `update` returns only what can no longer change: an
     incomplete UTF-8 character and the last len(longest stop) - 1 characters (where a stop
     string completed by a later token may begin) are held back until the request finishes.
+
+    Each update decodes a short window, not every id again (decoding them all each step costs
+    O(tokens) a step, O(tokens^2) a request): the ids since `read` with those since `prefix`
+    before them as context, and the window's text past the context's is the new text. So a
+    tokenizer that decodes a token differently at the start of a string (SentencePiece's
+    leading space) or a character split over several tokens (byte-level BPE) is read as a
+    decode of the whole output would read it. The window moves on once its text is complete.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...]):
         self.tokenizer, self.stop = tokenizer, stop
         self.hold = max(map(len, stop), default=1) - 1
         self.text = ""
+        self.decoded = ""  # text of ids[:read]
+        self.prefix = self.read = 0  # the decode window: context ids[prefix:read], then the new ids
         self.sent = 0  # characters of text already returned by update()
         self.stopped = False
 
     def update(self, ids: list[int], final: bool = False) -> str:
         """Text that became final since the last call (everything left when `final`)."""
-        full = self.tokenizer.decode(ids)
+        pending = ""
+        if len(ids) > self.read:
+            context = self.tokenizer.decode(ids[self.prefix : self.read])
+            window = self.tokenizer.decode(ids[self.prefix :])
+            if len(window) > len(context) and not window.endswith("\ufffd"):  # complete characters
+                self.decoded += window[len(context) :]
+                self.prefix, self.read = self.read, len(ids)
+            else:
+                pending = window[len(context) :]  # an incomplete character (shown only at the end)
+        full = self.decoded + pending if final else self.decoded
         hit = find_stop(full, self.stop, start=len(self.text))
         if hit is not None:
             full, self.stopped, final = full[:hit], True, True
         self.text = full
-        ready = full if final else full[: max(len(full.rstrip("\ufffd")) - self.hold, 0)]
-        new = ready[self.sent:]
+        ready = full if final else full[: max(len(full) - self.hold, 0)]
+        new = ready[self.sent :]
         self.sent = max(self.sent, len(ready))
         return new

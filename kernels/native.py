@@ -208,6 +208,23 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = Fals
     return ext.rms_norm(_dense(x), _f32(weight), eps, offset, cast_first, g, act)
 
 
+def rms_norm_rope(x, weight, eps: float, offset: float, cos, sin) -> torch.Tensor | None:
+    """models/qwen3_next.py's q / k norm and RoPE in one pass: x [T, heads, D] (unit stride in D),
+    cos and sin [T, rot] fp32 -> [T, heads, D] contiguous in x's dtype; None where the kernel
+    cannot run."""
+    ok = _routable(x) and x.dim() == 3 and x.stride(2) == 1 and cos.dtype == sin.dtype == torch.float32
+    ext = extension() if ok else None
+    return None if ext is None else ext.rms_norm_rope(x, _f32(weight), eps, offset, _dense(cos), _dense(sin))
+
+
+def topk_softmax(logits, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Softmax routing in one pass: (weights [T, k] fp32, experts [T, k] int64), the largest
+    first, renormalised to sum 1 with `renorm`; None where the kernel cannot run."""
+    ok = _routable(logits) and logits.dim() == 2 and logits.stride(1) == 1
+    ext = extension() if ok else None
+    return None if ext is None else ext.topk_softmax(logits, k, renorm)
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """t as contiguous fp32; t itself when it already is (no op dispatched: these wrappers run
     hundreds of times a decode step)."""

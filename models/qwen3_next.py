@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import native
 from kernels.attention import write_kv
 from kernels.gdn import CHUNK
 from models.batch import ForwardBatch
@@ -104,11 +105,9 @@ class GatedAttention(nn.Module):
         t = x.shape[0]
         q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
         q, gate = q.view(t, self.h, 2 * self.d).chunk(2, -1)  # [T, H, D] each
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(t, self.hkv, self.d))  # [T, Hkv, D]
-        v = v.view(t, self.hkv, self.d)  # [T, Hkv, D]
+        k, v = k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)  # [T, Hkv, D]
         cos, sin = rope_cos_sin(batch, self.rot, self.theta)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.norm_rope(q, self.q_norm, cos, sin), self.norm_rope(k, self.k_norm, cos, sin)
         caches = batch.memory.kv[self.kv_idx]  # name -> [num_pages, page_size, Hkv, D]
         write_kv(caches["k"], caches["v"], batch.kv_slots, k, v)
         attn = kernels.get("attention", x.device)
@@ -116,6 +115,12 @@ class GatedAttention(nn.Module):
                  self.d**-0.5)  # [T, H, D]
         o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
         return self.o_proj(o)
+
+    @staticmethod
+    def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """norm(x), then RoPE: one compiled pass on CPU (kernels/native.py), else the torch ops."""
+        y = native.rms_norm_rope(x, norm.weight, norm.eps, norm.offset, cos, sin)
+        return apply_rope(norm(x), cos, sin) if y is None else y
 
 
 class SparseMoE(nn.Module):
@@ -133,10 +138,13 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         se = self.shared_expert
         logits, shared_gate, gate, up = fused_linear(x, self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
-        probs = F.softmax(logits, -1, dtype=torch.float)  # [T, E]
-        w, idx = probs.topk(self.top_k, -1)  # [T, top_k]
-        if self.renorm:
-            w = w / w.sum(-1, keepdim=True)
+        routed = native.topk_softmax(logits, self.top_k, self.renorm)
+        if routed is None:
+            probs = F.softmax(logits, -1, dtype=torch.float)  # [T, E]
+            routed = probs.topk(self.top_k, -1)
+            if self.renorm:
+                routed = (routed[0] / routed[0].sum(-1, keepdim=True), routed[1])
+        w, idx = routed  # [T, top_k] each
         shared = torch.sigmoid(shared_gate) * se.finish(gate, up)
         return run_experts(x, self.experts, idx, w.to(x.dtype)) + shared
 

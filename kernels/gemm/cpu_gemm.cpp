@@ -41,14 +41,6 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BN = 32;  // columns per packed block
 constexpr int64_t BM = 64;  // rows per micro-kernel call
 
-// fp32 -> bf16 bits, rounded to nearest even as c10::BFloat16 rounds finite values and infinities
-inline uint16_t bf16_bits(float f) {
-  const uint32_t u = std::bit_cast<uint32_t>(f);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float round_bf16(float f) { return std::bit_cast<float>(static_cast<uint32_t>(bf16_bits(f)) << 16); }
-
 // Pack w [N, K] (rows may be strided) into blocks [NB, K, BN] in place at out.
 void pack_into(const BFloat16* w, int64_t ldw, int64_t N, int64_t K, BFloat16* out) {
   const int64_t NB = (N + BN - 1) / BN;

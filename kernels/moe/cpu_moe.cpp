@@ -10,8 +10,10 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 // x [T, D] contiguous; idx [T, k] int64 expert of each choice; counts [E] int64 rows per expert;
@@ -79,4 +81,44 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at:
                       out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+// Softmax routing (Qwen3-Next's SparseMoE): per token, softmax of logits [T, E] (fp32 or bf16) in
+// fp32, the k largest probabilities in descending order (the lower expert id first among equal
+// ones), renormalised to sum 1 when `renorm`. Returns (weights [T, k] fp32, experts [T, k] int64).
+std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_t k, bool renorm) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "topk_softmax: logits [T, E] with unit stride in E");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= E, "topk_softmax: 1 <= k <= E");
+  auto w = at::empty({T, k}, logits.options().dtype(at::kFloat));
+  auto idx = at::empty({T, k}, logits.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, logits.scalar_type(), "topk_softmax", [&] {
+    const scalar_t* lp = logits.data_ptr<scalar_t>();
+    float* wp = w.data_ptr<float>();
+    int64_t* ip = idx.data_ptr<int64_t>();
+    const int64_t ld = logits.stride(0);
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      std::vector<float> p(E);
+      std::vector<char> taken(E);
+      for (int64_t t = begin; t < end; ++t) {
+        float top = -std::numeric_limits<float>::max(), sum = 0.f;
+        for (int64_t e = 0; e < E; ++e) top = std::max(top, p[e] = as_float(lp[t * ld + e]));
+        for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - top);
+        std::fill(taken.begin(), taken.end(), 0);
+        float chosen = 0.f;
+        for (int64_t j = 0; j < k; ++j) {
+          int64_t best = -1;
+          for (int64_t e = 0; e < E; ++e)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+          taken[best] = 1;
+          wp[t * k + j] = p[best] / sum;
+          ip[t * k + j] = best;
+          chosen += wp[t * k + j];
+        }
+        if (renorm)
+          for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= chosen;
+      }
+    });
+  });
+  return {w, idx};
 }

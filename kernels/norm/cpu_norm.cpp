@@ -11,35 +11,79 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace {
 
 enum Act { kNone, kSilu, kSigmoid };
 
+template <typename T>
+inline float inv_rms(const T* x, int64_t D, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t d = 0; d < D; ++d) ss += as_float(x[d]) * as_float(x[d]);
+  return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
 template <typename T, typename G>
 void norm_rows(const T* x, const float* w, float offset, bool cast_first, const G* gate, Act act, float eps,
                int64_t rows, int64_t D, T* y) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(D);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) ss += as_float(xr[d]) * as_float(xr[d]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
       T* yr = y + r * D;
+      const float inv = inv_rms(xr, D, eps);
       if (cast_first) {
-        for (int64_t d = 0; d < D; ++d) yr[d] = static_cast<T>(as_float(static_cast<T>(as_float(xr[d]) * inv)) * w[d]);
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(as_float(narrow<T>(as_float(xr[d]) * inv)) * w[d]);
         continue;
       }
-      const G* gr = gate ? gate + r * D : nullptr;
-      for (int64_t d = 0; d < D; ++d) {
-        float v = as_float(xr[d]) * inv * (offset + w[d]);
-        if (gr) {
-          const float g = as_float(gr[d]);
-          v *= act == kSilu ? g / (1.f + std::exp(-g)) : act == kSigmoid ? 1.f / (1.f + std::exp(-g)) : g;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) v[d] = as_float(xr[d]) * inv * (offset + w[d]);
+      if (gate) {  // each activation its own vector pass
+        const G* gr = gate + r * D;
+        if (act == kSilu) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) v[d] *= as_float(gr[d]) / (1.f + std::exp(-as_float(gr[d])));
+        } else if (act == kSigmoid) {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) v[d] *= 1.f / (1.f + std::exp(-as_float(gr[d])));
+        } else {
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) v[d] *= as_float(gr[d]);
         }
-        yr[d] = static_cast<T>(v);
       }
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(v[d]);
+    }
+  });
+}
+
+// Rows of D (strides s0 between tokens, s1 between heads) normed with an offset weight and
+// rounded to T, then rotated in their first `rot` channels (rotate-half pairs (i, i + rot/2) by
+// the token's cos, sin [rot]) and rounded again; into out [T, heads, D] contiguous.
+template <typename T>
+void norm_rope_rows(const T* x, int64_t s0, int64_t s1, int64_t tokens, int64_t heads, int64_t D, const float* w,
+                    float offset, float eps, const float* cos, const float* sin, int64_t rot, T* out) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(D);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row / heads, h = row % heads;
+      const T* xr = x + t * s0 + h * s1;
+      T* o = out + row * D;
+      const float inv = inv_rms(xr, D, eps);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) v[d] = as_float(narrow<T>(as_float(xr[d]) * inv * (offset + w[d])));
+      const float *c = cos + t * rot, *s = sin + t * rot;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        o[i] = narrow<T>(v[i] * c[i] - v[i + half] * s[i]);
+        o[i + half] = narrow<T>(v[i + half] * c[i + half] + v[i] * s[i + half]);
+      }
+#pragma omp simd
+      for (int64_t d = rot; d < D; ++d) o[d] = narrow<T>(v[d]);
     }
   });
 }
@@ -71,6 +115,28 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
       norm_rows<T, float>(xp, wp, offset, cast_first, gate.numel() ? gate.data_ptr<float>() : nullptr, a, eps, rows,
                           D, y.data_ptr<T>());
     }
+  });
+  return y;
+}
+
+// RMSNorm with an offset weight, then RoPE, of query or key heads (Qwen3-Next's attention): x
+// [T, heads, D] with unit stride in D (a view of a projection's output); weight [D] fp32; cos,
+// sin [T, rot] fp32 (rotate-half layout), rot even and <= D. Returns y [T, heads, D] contiguous in
+// x's dtype, rounded after the norm and after the rotation as models/qwen3_next.py's torch path.
+at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps, double offset,
+                         const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "rms_norm_rope: x [T, heads, D] with unit stride in D");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), rot = cos.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == D,
+              "rms_norm_rope: fp32 weight [D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(0) == T && sin.sizes() == cos.sizes() && rot % 2 == 0 && rot <= D,
+              "rms_norm_rope: fp32 cos, sin [T, rot]");
+  auto y = at::empty({T, heads, D}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm_rope", [&] {
+    norm_rope_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), T, heads, D, weight.data_ptr<float>(),
+                             static_cast<float>(offset), static_cast<float>(eps), cos.data_ptr<float>(),
+                             sin.data_ptr<float>(), rot, y.data_ptr<scalar_t>());
   });
   return y;
 }
