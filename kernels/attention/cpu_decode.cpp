@@ -9,6 +9,7 @@
 
 #include "../denormal.h"
 #include "../matmul.h"
+#include "../reduce.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -64,8 +65,7 @@ const float* as_rows(const T* src, int64_t ld, int64_t n, int64_t D, float* dst)
 inline void softmax_block(float* p, int64_t ld, int64_t rows, int64_t n, float* m, float* l, float* acc, int64_t Dv) {
   for (int64_t r = 0; r < rows; ++r) {
     float* pr = p + r * ld;
-    float top = m[r];
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, pr[t]);
+    const float top = max_of(pr, n, m[r]);
     const float corr = std::exp(m[r] - top);  // 0 at the first block
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include "../denormal.h"
+#include "../reduce.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -86,9 +87,7 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
         for (int64_t row = 0; row < M; ++row) {  // online softmax over the keys this query sees
           const int64_t seen = std::min(kb, pos[row % rows] + 1 - k0);
           float* s = S.data() + row * KB;
-          float top = m[row];
-#pragma omp simd reduction(max : top)
-          for (int64_t t = 0; t < seen; ++t) top = std::max(top, s[t]);
+          const float top = max_of(s, seen, m[row]);
           const float corr = std::exp(m[row] - top);  // 0 at the first block
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
