@@ -69,6 +69,8 @@ std::vector<at::Tensor> delta_prepare(const at::Tensor& x, int64_t H, int64_t K,
                                       const at::Tensor& b, double eps);
 at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps, double offset,
                          const at::Tensor& cos, const at::Tensor& sin);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, double offset, bool cast_first);
 std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_t k, bool renorm);
 bool gemm_bf16_supported();
 at::Tensor pack_bf16(const at::Tensor& w);
@@ -93,6 +95,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_combine", &moe_combine, nogil, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");
   m.def("delta_prepare", &delta_prepare, nogil, "KDA / GDN q, k, v, g, beta from a layer's conv output (kernels/kda/cpu_prepare.cpp)");
   m.def("rms_norm_rope", &rms_norm_rope, nogil, "RMS norm with an offset weight, then RoPE, of q or k heads (kernels/norm/cpu_norm.cpp)");
+  m.def("add_rms_norm", &add_rms_norm, nogil, "the residual add and the next RMS norm in one pass (kernels/norm/cpu_norm.cpp)");
   m.def("topk_softmax", &topk_softmax, nogil, "softmax routing: top-k probabilities and experts (kernels/moe/cpu_moe.cpp)");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether this CPU runs the bf16 micro-kernels (kernels/gemm/cpu_gemm.cpp)");
   m.def("pack_bf16", &pack_bf16, nogil, "a bf16 weight [N, K] packed for linear_bf16 (kernels/gemm/cpu_gemm.cpp)");

@@ -208,6 +208,16 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = Fals
     return ext.rms_norm(_dense(x), _f32(weight), eps, offset, cast_first, g, act)
 
 
+def add_rms_norm(x, residual, weight, eps: float, offset: float, cast_first: bool) -> tuple | None:
+    """(rms_norm(x + residual), x + residual) in one pass, the sum rounded to x's dtype as torch's
+    add rounds it; None where the kernel cannot run."""
+    ok = _routable(x) and residual.dtype == x.dtype and residual.shape == x.shape
+    ext = extension() if ok else None
+    if ext is None:
+        return None
+    return ext.add_rms_norm(_dense(x), _dense(residual), _f32(weight), eps, offset, cast_first)
+
+
 def rms_norm_rope(x, weight, eps: float, offset: float, cos, sin) -> torch.Tensor | None:
     """models/qwen3_next.py's q / k norm and RoPE in one pass: x [T, heads, D] (unit stride in D),
     cos and sin [T, rot] fp32 -> [T, heads, D] contiguous in x's dtype; None where the kernel

@@ -135,9 +135,10 @@ class KimiBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
+        h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, batch), residual)
+        return self.block_sparse_moe(h), residual
 
 
 class KimiLinearForCausalLM(CausalLM):

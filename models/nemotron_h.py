@@ -167,9 +167,9 @@ class NemotronHBlock(nn.Module):
             self.mixer = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_hidden_act, cfg.mlp_bias)
         self.stateful = kind in ("linear_attention", "full_attention")
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.norm(x)
-        return x + (self.mixer(h, batch) if self.stateful else self.mixer(h))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
+        h, residual = self.norm.add(x, residual)
+        return (self.mixer(h, batch) if self.stateful else self.mixer(h)), residual
 
 
 class NemotronHForCausalLM(CausalLM):

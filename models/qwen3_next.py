@@ -167,10 +167,11 @@ class Qwen3NextBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        x = x + mixer(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(mixer(h, batch), residual)
+        return self.mlp(h), residual
 
 
 class Qwen3NextForCausalLM(CausalLM):

@@ -60,6 +60,28 @@ void norm_rows(const T* x, const float* w, float offset, bool cast_first, const 
   });
 }
 
+// x + r rounded to T into s, then that row normed into y (offset weight, or cast_first)
+template <typename T>
+void add_norm_rows(const T* x, const T* r, const float* w, float offset, bool cast_first, float eps, int64_t rows,
+                   int64_t D, T* s, T* y) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T *xr = x + row * D, *rr = r + row * D;
+      T *sr = s + row * D, *yr = y + row * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) sr[d] = narrow<T>(as_float(xr[d]) + as_float(rr[d]));
+      const float inv = inv_rms(sr, D, eps);
+      if (cast_first) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(as_float(narrow<T>(as_float(sr[d]) * inv)) * w[d]);
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(as_float(sr[d]) * inv * (offset + w[d]));
+      }
+    }
+  });
+}
+
 // Rows of D (strides s0 between tokens, s1 between heads) normed with an offset weight and
 // rounded to T, then rotated in their first `rot` channels (rotate-half pairs (i, i + rot/2) by
 // the token's cos, sin [rot]) and rounded again; into out [T, heads, D] contiguous.
@@ -139,4 +161,23 @@ at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double e
                              sin.data_ptr<float>(), rot, y.data_ptr<scalar_t>());
   });
   return y;
+}
+
+// The residual stream's add and the next norm in one pass: s = x + residual rounded to x's dtype
+// (as torch's add rounds), then y = rms_norm(s) as rms_norm above computes it (offset weight, or
+// cast_first). x and residual [..., D] contiguous, one dtype; weight [D] fp32. Returns (y, s).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps, double offset, bool cast_first) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.scalar_type() == x.scalar_type(), "add_rms_norm: contiguous x and residual of one shape and dtype");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(-1),
+              "add_rms_norm: fp32 weight [D]");
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+  auto sum = at::empty_like(x), y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    add_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), residual.data_ptr<scalar_t>(), weight.data_ptr<float>(),
+                            static_cast<float>(offset), cast_first, static_cast<float>(eps), rows, D,
+                            sum.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
+  });
+  return {y, sum};
 }

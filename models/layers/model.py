@@ -29,10 +29,11 @@ class Backbone(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states [L, D] at batch.logits_at."""
-        x = getattr(self, self.embed_name)(batch.input_ids)
+        x, residual = getattr(self, self.embed_name)(batch.input_ids), None
         for block in self.layers:
-            x = block(x, batch)
-        return getattr(self, self.norm_name)(x[batch.logits_at])
+            x, residual = block(x, residual, batch)
+        at = batch.logits_at
+        return getattr(self, self.norm_name).add(x[at], residual[at] if residual is not None else None)[0]
 
 
 class CausalLM(nn.Module):
@@ -40,7 +41,9 @@ class CausalLM(nn.Module):
 
     Blocks are built as `block_cls(hf, layer_index, mixer_index)`, mixer_index being the
     ordinal of the layer among the attention layers (its KV buffer) or among the linear
-    layers (its state buffer), and run `forward(x [T, D], batch) -> [T, D]`.
+    layers (its state buffer), and run `forward(x, residual, batch) -> (x, residual)` (all
+    [T, D]): the residual stream is `x + residual` (x alone before the first block), carried
+    unsummed so each block's norm adds it in the same pass (`RMSNorm.add`).
     """
 
     # checkpoint names of the backbone, its embedding and its final norm

@@ -32,6 +32,18 @@ class RMSNorm(nn.Module):
             return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(s), s) for the residual stream s = x + residual (x when residual is None), the add
+        and the norm in one pass where the compiled kernel runs (the same bits)."""
+        if residual is None:
+            return self(x), x
+        if self.offset or self.weight.dtype == x.dtype:
+            out = native.add_rms_norm(x, residual, self.weight, self.eps, self.offset, cast_first=not self.offset)
+            if out is not None:
+                return out
+        s = x + residual
+        return self(s), s
+
 
 class GatedRMSNorm(nn.Module):
     """y = w * norm(x) * act(gate), all in fp32 (the output norm of KDA / GDN layers)."""

@@ -382,3 +382,22 @@ def test_kernels_let_other_python_threads_run():
         torch.set_num_threads(threads)
     assert call_s > 0.02  # long enough that a held GIL would show
     assert max(gaps) < call_s / 2, (max(gaps), call_s)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_residual_add_and_norm_in_one_pass_equal_the_two_ops(dtype, offset):
+    """RMSNorm.add: the residual sum rounded as torch's add rounds it and the norm of that sum,
+    the same bits as the add and the norm run apart; no residual: the norm of x alone."""
+    from models.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, 1e-6, offset=offset).to(dtype if not offset else torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48, generator=gen))
+        x, residual = (torch.randn(7, 48, generator=gen).to(dtype) for _ in range(2))
+        y, s = norm.add(x, residual)
+        assert torch.equal(s, x + residual) and torch.equal(y, norm(x + residual))
+        y0, s0 = norm.add(x, None)
+        assert s0 is x and torch.equal(y0, norm(x))
