@@ -49,10 +49,13 @@ void conv(const T* x, const float* wT, const float* bias, const float* state, co
         }
       }
       T* yr = y + t * D;
-      if (silu)
-        for (int64_t d = 0; d < D; ++d) yr[d] = static_cast<T>(acc[d] / (1.f + std::exp(-acc[d])));
-      else
-        for (int64_t d = 0; d < D; ++d) yr[d] = static_cast<T>(acc[d]);
+      if (silu) {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(acc[d] / (1.f + std::exp(-acc[d])));
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(acc[d]);
+      }
     }
   });
 }
@@ -111,22 +114,37 @@ void conv_step_impl(const T* x, const float* w, const float* bias, S* state, con
       S* st = state + slots[n] * D * (W - 1);
       const T* xn = x + n * D;
       T* yn = y + n * D;
-      for (int64_t d = 0; d < D; ++d) {
-        S* s = st + d * (W - 1);  // the W-1 inputs before this token, oldest first
-        const float* wd = w + d * W;
-        const float u = as_float(xn[d]);
-        float a = 0.f;
-        for (int64_t j = 0; j < W - 1; ++j) a += as_float(s[j]) * wd[j];
-        a += u * wd[W - 1];
-        acc[d] = bias ? a + bias[d] : a;
-        for (int64_t j = 0; j + 1 < W - 1; ++j) s[j] = s[j + 1];  // shift the window by this token
-        if (W > 1) s[W - 2] = static_cast<S>(u);
+      if (W == 4) {  // the common width, channels as vectors (strided state rows, gathered)
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          S* s = st + d * 3;
+          const float* wd = w + d * 4;
+          const float u = as_float(xn[d]), s0 = as_float(s[0]), s1 = as_float(s[1]), s2 = as_float(s[2]);
+          const float a = s0 * wd[0] + s1 * wd[1] + s2 * wd[2] + u * wd[3];
+          acc[d] = bias ? a + bias[d] : a;
+          s[0] = s[1];
+          s[1] = s[2];
+          s[2] = narrow<S>(u);
+        }
+      } else {
+        for (int64_t d = 0; d < D; ++d) {
+          S* s = st + d * (W - 1);  // the W-1 inputs before this token, oldest first
+          const float* wd = w + d * W;
+          const float u = as_float(xn[d]);
+          float a = 0.f;
+          for (int64_t j = 0; j < W - 1; ++j) a += as_float(s[j]) * wd[j];
+          a += u * wd[W - 1];
+          acc[d] = bias ? a + bias[d] : a;
+          for (int64_t j = 0; j + 1 < W - 1; ++j) s[j] = s[j + 1];  // shift the window by this token
+          if (W > 1) s[W - 2] = narrow<S>(u);
+        }
       }
       if (silu) {  // a second pass, so the exps run as vectors
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / (1.f + std::exp(-acc[d]));
       }
-      for (int64_t d = 0; d < D; ++d) yn[d] = static_cast<T>(acc[d]);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) yn[d] = narrow<T>(acc[d]);
     }
   });
 }

@@ -86,7 +86,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
   const float Dh = in.D ? in.D[hd] : 0.f;
   for (int64_t i = 0; i < c; ++i) {
     T* o = out + ((t0 + i) * s.H + hd) * P;
-    for (int64_t p = 0; p < P; ++p) o[p] = static_cast<T>(y[i * P + p] + Dh * x[i * P + p]);
+    for (int64_t p = 0; p < P; ++p) o[p] = narrow<T>(y[i * P + p] + Dh * x[i * P + p]);
   }
 }
 

@@ -57,9 +57,9 @@ __attribute__((optimize("fp-contract=off"))) void combine(const T* y, const int6
       for (int64_t c = 0; c < k; ++c) {
         const T* row = y + at[t * k + c] * D;
         const float wc = as_float(w[t * k + c]);
-        for (int64_t d = 0; d < D; ++d) acc[d] += as_float(static_cast<T>(as_float(row[d]) * wc));
+        for (int64_t d = 0; d < D; ++d) acc[d] += as_float(narrow<T>(as_float(row[d]) * wc));
       }
-      for (int64_t d = 0; d < D; ++d) out[t * D + d] = static_cast<T>(acc[d]);
+      for (int64_t d = 0; d < D; ++d) out[t * D + d] = narrow<T>(acc[d]);
     }
   });
 }
