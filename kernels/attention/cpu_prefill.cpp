@@ -7,12 +7,14 @@
 // The score and value products go through mm (matmul.h). fp32 throughout; o is fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include "../denormal.h"
 #include "../reduce.h"
 #include "../widen.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -31,6 +33,61 @@ struct Job {
   double cost;
 };
 
+// (sequence, KV head, block of QB queries) jobs, the most work first
+std::vector<Job> make_jobs(const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, int64_t Hkv) {
+  std::vector<Job> jobs;
+  for (int64_t n = 0; n < static_cast<int64_t>(lens.size()); ++n)
+    for (int64_t q0 = 0; q0 < cu[n + 1] - cu[n]; q0 += QB) {
+      const int64_t rows = std::min(QB, cu[n + 1] - cu[n] - q0);
+      const int64_t keys = lens[n] - (cu[n + 1] - cu[n]) + q0 + rows;  // keys of its last query
+      for (int64_t g = 0; g < Hkv; ++g) jobs.push_back({n, g, q0, rows, double(rows) * double(keys)});
+    }
+  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  return jobs;
+}
+
+// The online softmax of M query rows (row r * rows + i: query i, at key position pos[i]) over
+// the kb keys k0 .. k0 + kb - 1 whose scores are in S (rows of ld, times `scale` first): running
+// max m and sum l per row, the accumulator rows (Dv each) rescaled; S becomes the numerators,
+// 0 for keys a query does not see, up to column `width`.
+void softmax_rows(float* S, int64_t ld, int64_t M, int64_t rows, const int64_t* pos, int64_t k0, int64_t kb,
+                  int64_t width, float scale, float* m, float* l, float* acc, int64_t Dv) {
+  for (int64_t row = 0; row < M; ++row) {
+    const int64_t seen = std::max<int64_t>(0, std::min(kb, pos[row % rows] + 1 - k0));
+    float* s = S + row * ld;
+    if (scale != 1.f)
+#pragma omp simd
+      for (int64_t t = 0; t < seen; ++t) s[t] *= scale;
+    const float top = max_of(s, seen, m[row]);
+    const float corr = std::exp(m[row] - top);  // 0 at the first block
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < seen; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    std::fill(s + seen, s + width, 0.f);  // keys after the query: masked
+    m[row] = top;
+    l[row] = l[row] * corr + sum;
+    float* a = acc + row * Dv;
+    if (corr != 1.f)
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
+  }
+}
+
+// o rows of query i, head r: acc / l, into out + i * ld + r * Dv
+void finish(const float* acc, const float* l, int64_t R, int64_t rows, int64_t Dv, float* out, int64_t ld) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < rows; ++i) {
+      const float inv = 1.f / l[r * rows + i];
+      const float* a = acc + (r * rows + i) * Dv;
+      float* dst = out + i * ld + r * Dv;
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
+    }
+}
+
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
              const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
@@ -42,14 +99,7 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
   const T* kp = kc.data_ptr<T>();
   const T* vp = vc.data_ptr<T>();
   const int64_t* pp = pages.data_ptr<int64_t>();
-  std::vector<Job> jobs;
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t q0 = 0; q0 < cu[n + 1] - cu[n]; q0 += QB) {
-      const int64_t rows = std::min(QB, cu[n + 1] - cu[n] - q0);
-      const int64_t keys = lens[n] - (cu[n + 1] - cu[n]) + q0 + rows;  // keys of its last query
-      for (int64_t g = 0; g < Hkv; ++g) jobs.push_back({n, g, q0, rows, double(rows) * double(keys)});
-    }
-  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  const std::vector<Job> jobs = make_jobs(cu, lens, Hkv);
   const int64_t J = static_cast<int64_t>(jobs.size());
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
 #pragma omp parallel num_threads(threads)
@@ -84,35 +134,113 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
           for (int64_t d = 0; d < Dv; ++d) V[t * Dv + d] = as_float(vs[d]);
         }
         mm(false, true, M, kb, Dk, 1.f, Q.data(), Dk, K.data(), Dk, 0.f, S.data(), KB);
-        for (int64_t row = 0; row < M; ++row) {  // online softmax over the keys this query sees
-          const int64_t seen = std::min(kb, pos[row % rows] + 1 - k0);
-          float* s = S.data() + row * KB;
-          const float top = max_of(s, seen, m[row]);
-          const float corr = std::exp(m[row] - top);  // 0 at the first block
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < seen; ++t) {
-            s[t] = std::exp(s[t] - top);
-            sum += s[t];
-          }
-          std::fill(s + std::max<int64_t>(seen, 0), s + kb, 0.f);  // keys after the query: masked
-          m[row] = top;
-          l[row] = l[row] * corr + sum;
-          float* a = acc.data() + row * Dv;
-          if (corr != 1.f)
-#pragma omp simd
-            for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
-        }
+        softmax_rows(S.data(), KB, M, rows, pos.data(), k0, kb, kb, 1.f, m.data(), l.data(), acc.data(), Dv);
         mm(false, false, M, Dv, kb, 1.f, S.data(), KB, V.data(), Dv, 1.f, acc.data(), Dv);
       }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < rows; ++i) {
-          const float inv = 1.f / l[r * rows + i];
-          const float* a = acc.data() + (r * rows + i) * Dv;
-          float* dst = op + ((cu[job.n] + job.q0 + i) * H + job.g * R + r) * Dv;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
-        }
+      finish(acc.data(), l.data(), R, rows, Dv, op + ((cu[job.n] + job.q0) * H + job.g * R) * Dv, H * Dv);
     }
+  }
+}
+
+
+// bf16 with oneDNN's micro-kernels (AMX): first the keys and values of every (sequence, KV head)
+// are laid out once per block of AKB keys, K^T and V each in the VNNI layout the micro-kernel
+// reads (zero past the sequence's keys); then each job's scores and value products run on the
+// packed blocks, queries AM rows per call, the softmax in fp32 as above and its numerators
+// rounded to bf16 for the value product (as flash attention rounds them).
+constexpr int64_t AKB = 64, AM = 32;
+
+void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
+                 const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
+  using T = c10::BFloat16;
+  namespace cpublas = at::native::cpublas;
+  const int64_t H = q.size(1), Dk = q.size(2), N = static_cast<int64_t>(lens.size());
+  const int64_t page_size = kc.size(1), Hkv = kc.size(2), R = H / Hkv, width = pages.size(1);
+  const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
+  const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* pp = pages.data_ptr<int64_t>();
+  std::vector<int64_t> base(N * Hkv + 1, 0);  // first packed block of (n, g)
+  std::vector<std::array<int64_t, 3>> blocks;  // (n, g, first key)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < Hkv; ++g) {
+      for (int64_t k0 = 0; k0 < lens[n]; k0 += AKB) blocks.push_back({n, g, k0});
+      base[n * Hkv + g + 1] = static_cast<int64_t>(blocks.size());
+    }
+  const int64_t B = static_cast<int64_t>(blocks.size());
+  // The micro-kernel's B layout is [K / 2][N][2] (pairs along K): K^T's is the transpose of the key
+  // rows in 32-bit units (a row's channel pairs), V's interleaves pairs of consecutive key rows.
+  std::vector<uint32_t> kt(B * (Dk / 2) * AKB), vv(B * (AKB / 2) * Dv);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [n, g, k0] = blocks[i];
+      const int64_t cnt = std::min(AKB, lens[n] - k0);
+      uint32_t *kb = kt.data() + i * (Dk / 2) * AKB, *vb = vv.data() + i * (AKB / 2) * Dv;
+      auto key = [&](int64_t t, int64_t stride_page, int64_t stride_row, int64_t stride_head, const T* cache) {
+        const int64_t at = k0 + t, page = pp[n * width + at / page_size];
+        return cache + page * stride_page + (at % page_size) * stride_row + g * stride_head;
+      };
+      for (int64_t t = 0; t < AKB; ++t) {
+        if (t >= cnt) {
+          for (int64_t c = 0; c < Dk / 2; ++c) kb[c * AKB + t] = 0;
+          continue;
+        }
+        const auto* row = reinterpret_cast<const uint32_t*>(key(t, k_page, k_row, k_head, kp));
+        for (int64_t c = 0; c < Dk / 2; ++c) kb[c * AKB + t] = row[c];
+      }
+      for (int64_t j = 0; j < AKB / 2; ++j) {
+        const auto* a = reinterpret_cast<const uint16_t*>(2 * j < cnt ? key(2 * j, v_page, v_row, v_head, vp) : nullptr);
+        const auto* b = reinterpret_cast<const uint16_t*>(2 * j + 1 < cnt ? key(2 * j + 1, v_page, v_row, v_head, vp) : nullptr);
+        uint32_t* out = vb + j * Dv;
+        if (a && b) {
+#pragma omp simd
+          for (int64_t d = 0; d < Dv; ++d) out[d] = a[d] | (static_cast<uint32_t>(b[d]) << 16);
+        } else {
+          for (int64_t d = 0; d < Dv; ++d) out[d] = a ? a[d] : 0;
+        }
+      }
+    }
+  });
+  const std::vector<Job> jobs = make_jobs(cu, lens, Hkv);
+  const int64_t J = static_cast<int64_t>(jobs.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
+#pragma omp parallel num_threads(threads)
+  {
+    FlushDenormals flush;
+    std::vector<T> Q(R * QB * Dk), P(R * QB * AKB);
+    std::vector<float> S(R * QB * AKB), acc(R * QB * Dv), m(R * QB), l(R * QB);
+    std::vector<int64_t> pos(QB);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t j = 0; j < J; ++j) {
+      const Job& job = jobs[j];
+      const int64_t E = cu[job.n + 1] - cu[job.n], rows = job.rows, M = R * rows;
+      for (int64_t i = 0; i < rows; ++i) pos[i] = lens[job.n] - E + job.q0 + i;  // key position of query i
+      for (int64_t r = 0; r < R; ++r)  // row r * rows + i: query i of head g * R + r
+        for (int64_t i = 0; i < rows; ++i) {
+          const T* src = qp + ((cu[job.n] + job.q0 + i) * H + job.g * R + r) * Dk;
+          std::copy(src, src + Dk, Q.begin() + (r * rows + i) * Dk);
+        }
+      std::fill(acc.begin(), acc.begin() + M * Dv, 0.f);
+      std::fill(m.begin(), m.begin() + M, -1e30f);  // finite: built with -ffast-math
+      std::fill(l.begin(), l.begin() + M, 0.f);
+      const int64_t last = pos[rows - 1], first = base[job.n * Hkv + job.g];
+      for (int64_t k0 = 0; k0 <= last; k0 += AKB) {
+        const int64_t kb = std::min(AKB, last + 1 - k0), blk = first + k0 / AKB;
+        for (int64_t m0 = 0; m0 < M; m0 += AM)
+          cpublas::brgemm(std::min(AM, M - m0), AKB, Dk, Dk, AKB, AKB, false, Q.data() + m0 * Dk,
+                          reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB);
+        softmax_rows(S.data(), AKB, M, rows, pos.data(), k0, kb, AKB, scale, m.data(), l.data(), acc.data(), Dv);
+#pragma omp simd
+        for (int64_t i = 0; i < M * AKB; ++i) P[i] = narrow<T>(S[i]);
+        for (int64_t m0 = 0; m0 < M; m0 += AM)
+          cpublas::brgemm(std::min(AM, M - m0), Dv, AKB, AKB, Dv, Dv, true, P.data() + m0 * AKB,
+                          reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv), acc.data() + m0 * Dv);
+      }
+      finish(acc.data(), l.data(), R, rows, Dv, op + ((cu[job.n] + job.q0) * H + job.g * R) * Dv, H * Dv);
+    }
+    cpublas::brgemm_release();
   }
 }
 
@@ -139,6 +267,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     TORCH_CHECK(lens[n] >= cu[n + 1] - cu[n], "paged_prefill: seq_lens >= each sequence's queries");
   auto pages_c = pages.to(at::kLong).contiguous();
   auto out = at::empty({q.size(0), q.size(1), dv}, q.options().dtype(at::kFloat));
+  const bool amx = q.scalar_type() == at::kBFloat16 && q.size(2) % 2 == 0 && dv % 2 == 0 &&
+                   at::native::cpublas::could_pack(at::kBFloat16);
+  if (amx) {
+    prefill_amx(q, k_cache, v_cache, pages_c, cu, lens, static_cast<float>(scale), dv, out.data_ptr<float>());
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill", [&] {
     prefill<scalar_t>(q, k_cache, v_cache, pages_c, cu, lens, static_cast<float>(scale), dv,
                       out.data_ptr<float>());
