@@ -77,6 +77,21 @@ def build_lock(directory: Path):
         yield
 
 
+def use_ninja_package() -> None:
+    """Put the ninja package's binary first on PATH. Another ninja on PATH (the system's, found
+    when the venv is not activated) may be another version, which rejects the build log the
+    other wrote and rebuilds every kernel (minutes) each time the two alternate."""
+    try:
+        import ninja
+    except ImportError:
+        if shutil.which("ninja") is None:
+            raise RuntimeError("no ninja: pip install ninja") from None
+        return
+    path = os.environ.get("PATH", "")
+    if not path.startswith(ninja.BIN_DIR + os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+
+
 @functools.cache
 def extension():
     """The built module, or None (the reason is logged once)."""
@@ -85,10 +100,7 @@ def extension():
     try:
         from torch.utils.cpp_extension import load
 
-        if shutil.which("ninja") is None:  # the ninja package's binary, outside PATH in a venv not activated
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        use_ninja_package()
 
         t0 = time.perf_counter()
         name = build_name()

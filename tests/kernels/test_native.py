@@ -349,6 +349,26 @@ def test_build_name_follows_the_sources(tmp_path, monkeypatch):
     assert native.build_name() != before and native.build_name().isidentifier()
 
 
+def test_build_uses_the_ninja_package_before_another_ninja_on_path(tmp_path, monkeypatch):
+    """Builds run the ninja package's binary even where another ninja comes first on PATH
+    (a venv not activated): two ninja versions reject each other's build log and rebuild
+    every kernel whenever they alternate."""
+    import os
+    import shutil
+
+    ninja = pytest.importorskip("ninja")
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\necho 1.0.0\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ.get("PATH", ""))
+    assert shutil.which("ninja") == str(other)
+    native.use_ninja_package()
+    assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    path = os.environ["PATH"]
+    native.use_ninja_package()
+    assert os.environ["PATH"] == path  # once first, left as it is
+
+
 @needs_kernel
 def test_kernels_let_other_python_threads_run():
     """A compiled kernel releases the GIL while it runs: a Python thread beside it (the server's
