@@ -9,6 +9,15 @@ When nothing is unfinished the thread blocks on the inbox; a step that raises fa
 the requests of the batch it was running, a row whose sampling raised fails only its
 request, and the loop goes on.
 
+On CPU the engine thread should be the only thread of the process that runs parallel torch
+work, so `AsyncEngine.build` constructs the engine (weights loaded, kernels built) on that
+thread. libgomp keeps a team of threads for every thread that ever ran a parallel region;
+once the process holds more of them than CPUs, every waiting thread spins only ~100
+iterations and then sleeps (its "throttled" spin), and each parallel region pays a futex
+wake-up. A model loaded on the main thread and stepped on this one made a 2-thread decode
+step of the Qwen3-Next peer checkpoint 1.5x slower (25-29 against 17-18 ms) and a [64, 256]
+bf16 linear 6x slower (100 against 17 us).
+
 Memory per request is bounded: the queue holds deltas (an unfinished output without the
 text and ids accumulated so far; the last one is whole), at most `backlog` of them; a
 reader that falls further behind has its request aborted and gets an EngineError.
@@ -68,6 +77,28 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    @classmethod
+    def build(cls, make: Callable[[], Engine], threads: int | None = None, backlog: int = BACKLOG
+              ) -> "AsyncEngine":
+        """Run make() on a new engine thread and serve the engine it returns from that thread
+        (already started); make()'s exception is raised here and no thread is left behind."""
+        built: Future = Future()
+
+        def run() -> None:
+            try:
+                if threads:
+                    torch.set_num_threads(threads)
+                front = cls(make(), threads, backlog)
+            except BaseException as e:  # noqa: BLE001  (handed to the caller)
+                built.set_exception(e)
+                return
+            front._thread = threading.current_thread()
+            built.set_result(front)
+            front._run()
+
+        threading.Thread(target=run, name="hybridserve-engine", daemon=True).start()
+        return built.result()
 
     @property
     def model_name(self) -> str:

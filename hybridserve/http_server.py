@@ -187,14 +187,17 @@ def serve(config: EngineConfig, server: ServerConfig | None = None, log_level: s
     """Build the engine from `config` and serve it until SIGINT / SIGTERM; the exit status."""
     server = server or ServerConfig()
     _raise_descriptor_limit(server.max_connections)
-    engine = AsyncEngine(Engine(config), backlog=server.stream_backlog)
+    engine = AsyncEngine.build(lambda: Engine(config), backlog=server.stream_backlog)  # built on its thread
     app = build_app(engine, server)
     if not server.api_key and server.host not in LOOPBACK:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the server",
                     server.host)
     uv = uvicorn_config(app, server, log_level)
     s = Server(uv, engine, server.shutdown_grace_s)
-    s.run()
+    try:
+        s.run()
+    finally:
+        engine.shutdown()  # a no-op after the drain; stops the thread if the server never started
     return s.exit_status
 
 

@@ -381,3 +381,44 @@ def test_failing_step_fails_its_batch_only(srv):
     chunks = stream(srv, "/v1/completions", {"prompt": "fault in a stream", "max_tokens": 4, **GREEDY})
     assert chunks[-1]["error"]["type"] == "server_error"
     assert srv.http.get("/health").status_code == 200
+
+
+def test_build_makes_the_engine_on_the_thread_that_steps_it(tmp_path):
+    """AsyncEngine.build runs the engine's construction (weights, kernels: parallel torch work)
+    on the engine thread, the thread that later steps it, so the process has one OpenMP team."""
+    profile = tmp_path / "cost.json"
+    profile.write_text(json.dumps(PROFILE))
+    made_on = []
+
+    def make():
+        made_on.append(threading.get_ident())
+        return Engine(EngineConfig.from_settings(cost_profile=str(profile), memory_gb=0.25, max_running=2))
+
+    ae = AsyncEngine.build(make, threads=1)
+    try:
+        assert ae.alive and made_on and made_on[0] != threading.get_ident()
+        assert ae.submit(lambda e: threading.get_ident()).result(30) == made_on[0]
+        assert ae.submit(lambda e: __import__("torch").get_num_threads()).result(30) == 1
+
+        async def one():
+            from hybridserve.sampling import SamplingParams
+            outs = [o async for o in await ae.add([1, 2, 3], SamplingParams(max_tokens=3, **GREEDY))]
+            return outs[-1]
+
+        import asyncio
+        last = asyncio.run(one())
+        assert last.finished and len(last.token_ids) == 3
+    finally:
+        ae.shutdown()
+    assert not ae.alive
+
+
+def test_build_raises_what_make_raises_and_leaves_no_thread():
+    def make():
+        raise ValueError("no such model")
+
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.build(make)
+    time.sleep(0.1)
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
