@@ -47,17 +47,14 @@ std::vector<Job> make_jobs(const std::vector<int64_t>& cu, const std::vector<int
 }
 
 // The online softmax of M query rows (row r * rows + i: query i, at key position pos[i]) over
-// the kb keys k0 .. k0 + kb - 1 whose scores are in S (rows of ld, times `scale` first): running
-// max m and sum l per row, the accumulator rows (Dv each) rescaled; S becomes the numerators,
-// 0 for keys a query does not see, up to column `width`.
+// the kb keys k0 .. k0 + kb - 1 whose scores are in S (rows of ld): running max m and sum l per
+// row, the accumulator rows (Dv each) rescaled; S becomes the numerators, 0 for keys a query
+// does not see.
 void softmax_rows(float* S, int64_t ld, int64_t M, int64_t rows, const int64_t* pos, int64_t k0, int64_t kb,
-                  int64_t width, float scale, float* m, float* l, float* acc, int64_t Dv) {
+                  float* m, float* l, float* acc, int64_t Dv) {
   for (int64_t row = 0; row < M; ++row) {
     const int64_t seen = std::max<int64_t>(0, std::min(kb, pos[row % rows] + 1 - k0));
     float* s = S + row * ld;
-    if (scale != 1.f)
-#pragma omp simd
-      for (int64_t t = 0; t < seen; ++t) s[t] *= scale;
     const float top = max_of(s, seen, m[row]);
     const float corr = std::exp(m[row] - top);  // 0 at the first block
     float sum = 0.f;
@@ -66,7 +63,7 @@ void softmax_rows(float* S, int64_t ld, int64_t M, int64_t rows, const int64_t* 
       s[t] = std::exp(s[t] - top);
       sum += s[t];
     }
-    std::fill(s + seen, s + width, 0.f);  // keys after the query: masked
+    std::fill(s + seen, s + kb, 0.f);  // keys after the query: masked
     m[row] = top;
     l[row] = l[row] * corr + sum;
     float* a = acc + row * Dv;
@@ -134,7 +131,7 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
           for (int64_t d = 0; d < Dv; ++d) V[t * Dv + d] = as_float(vs[d]);
         }
         mm(false, true, M, kb, Dk, 1.f, Q.data(), Dk, K.data(), Dk, 0.f, S.data(), KB);
-        softmax_rows(S.data(), KB, M, rows, pos.data(), k0, kb, kb, 1.f, m.data(), l.data(), acc.data(), Dv);
+        softmax_rows(S.data(), KB, M, rows, pos.data(), k0, kb, m.data(), l.data(), acc.data(), Dv);
         mm(false, false, M, Dv, kb, 1.f, S.data(), KB, V.data(), Dv, 1.f, acc.data(), Dv);
       }
       finish(acc.data(), l.data(), R, rows, Dv, op + ((cu[job.n] + job.q0) * H + job.g * R) * Dv, H * Dv);
@@ -143,13 +140,41 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
 }
 
 
+constexpr int64_t AKB = 128, AM = 32;
+
+// softmax_rows for the micro-kernel path: raw scores in, `scale` (> 0) folded into the exponent, the
+// numerators written as bf16 straight into P (rows of AKB; 0 past what a query sees) and summed
+// before rounding.
+void numerators_bf16(const float* S, c10::BFloat16* P, int64_t M, int64_t rows, const int64_t* pos, int64_t k0,
+                     int64_t kb, float scale, float* m, float* l, float* acc, int64_t Dv) {
+  for (int64_t row = 0; row < M; ++row) {
+    const int64_t seen = std::max<int64_t>(0, std::min(kb, pos[row % rows] + 1 - k0));
+    const float* s = S + row * AKB;
+    c10::BFloat16* p = P + row * AKB;
+    const float top = seen ? std::max(m[row], scale * max_of(s, seen, -1e30f)) : m[row];
+    const float corr = std::exp(m[row] - top);  // 0 at the first block
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < seen; ++t) {
+      const float e = std::exp(s[t] * scale - top);
+      sum += e;
+      p[t] = narrow<c10::BFloat16>(e);
+    }
+    std::fill(p + seen, p + AKB, c10::BFloat16(0.f));  // keys after the query: masked
+    m[row] = top;
+    l[row] = l[row] * corr + sum;
+    float* a = acc + row * Dv;
+    if (corr != 1.f)
+#pragma omp simd
+      for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
+  }
+}
+
 // bf16 with oneDNN's micro-kernels (AMX): first the keys and values of every (sequence, KV head)
 // are laid out once per block of AKB keys, K^T and V each in the VNNI layout the micro-kernel
 // reads (zero past the sequence's keys); then each job's scores and value products run on the
 // packed blocks, queries AM rows per call, the softmax in fp32 as above and its numerators
 // rounded to bf16 for the value product (as flash attention rounds them).
-constexpr int64_t AKB = 64, AM = 32;
-
 void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
                  const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
   using T = c10::BFloat16;
@@ -231,9 +256,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
         for (int64_t m0 = 0; m0 < M; m0 += AM)
           cpublas::brgemm(std::min(AM, M - m0), AKB, Dk, Dk, AKB, AKB, false, Q.data() + m0 * Dk,
                           reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB);
-        softmax_rows(S.data(), AKB, M, rows, pos.data(), k0, kb, AKB, scale, m.data(), l.data(), acc.data(), Dv);
-#pragma omp simd
-        for (int64_t i = 0; i < M * AKB; ++i) P[i] = narrow<T>(S[i]);
+        numerators_bf16(S.data(), P.data(), M, rows, pos.data(), k0, kb, scale, m.data(), l.data(), acc.data(), Dv);
         for (int64_t m0 = 0; m0 < M; m0 += AM)
           cpublas::brgemm(std::min(AM, M - m0), Dv, AKB, AKB, Dv, Dv, true, P.data() + m0 * AKB,
                           reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv), acc.data() + m0 * Dv);
@@ -267,7 +290,7 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     TORCH_CHECK(lens[n] >= cu[n + 1] - cu[n], "paged_prefill: seq_lens >= each sequence's queries");
   auto pages_c = pages.to(at::kLong).contiguous();
   auto out = at::empty({q.size(0), q.size(1), dv}, q.options().dtype(at::kFloat));
-  const bool amx = q.scalar_type() == at::kBFloat16 && q.size(2) % 2 == 0 && dv % 2 == 0 &&
+  const bool amx = q.scalar_type() == at::kBFloat16 && q.size(2) % 2 == 0 && dv % 2 == 0 && scale > 0 &&
                    at::native::cpublas::could_pack(at::kBFloat16);
   if (amx) {
     prefill_amx(q, k_cache, v_cache, pages_c, cu, lens, static_cast<float>(scale), dv, out.data_ptr<float>());
