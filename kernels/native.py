@@ -249,8 +249,13 @@ def topk_softmax(logits, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tens
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """t as contiguous fp32; t itself when it already is (no op dispatched: these wrappers run
-    hundreds of times a decode step)."""
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+    hundreds of times a decode step). A parameter's copy (a bf16 norm or conv weight) is made
+    once and kept while the parameter is unchanged."""
+    if t.dtype == torch.float32 and t.is_contiguous():
+        return t
+    if isinstance(t, torch.nn.Parameter):
+        return _packed(t, lambda: t.detach().float().contiguous(), FP32)
+    return t.float().contiguous()
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -293,6 +298,7 @@ def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int
 # its storage and version counter are those it was packed at (a load in place or a .to()
 # makes it pack anew); tensors compare elementwise, so they cannot be dictionary keys
 PACKED: dict[int, tuple] = {}
+FP32: dict[int, tuple] = {}  # fp32 copies of parameters (_f32), kept the same way
 
 
 def _bf16_gemm() -> Any:
@@ -305,13 +311,15 @@ def _bf16_gemm_supported(ext) -> bool:
     return bool(ext.gemm_bf16_supported())
 
 
-def _packed(key: torch.Tensor, pack):
+def _packed(key: torch.Tensor, pack, cache: dict | None = None):
+    """pack() made once per version of key (remade when key is written in place), in cache."""
+    cache = PACKED if cache is None else cache
     stamp = (key.data_ptr(), 0 if key.is_inference() else key._version)  # inference tensors keep no version
-    entry = PACKED.get(id(key))
+    entry = cache.get(id(key))
     if entry is None:
-        weakref.finalize(key, PACKED.pop, id(key), None)
+        weakref.finalize(key, cache.pop, id(key), None)
     if entry is None or entry[0] != stamp:
-        entry = PACKED[id(key)] = (stamp, pack())
+        entry = cache[id(key)] = (stamp, pack())
     return entry[1]
 
 

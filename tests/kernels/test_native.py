@@ -421,3 +421,18 @@ def test_residual_add_and_norm_in_one_pass_equal_the_two_ops(dtype, offset):
         assert torch.equal(s, x + residual) and torch.equal(y, norm(x + residual))
         y0, s0 = norm.add(x, None)
         assert s0 is x and torch.equal(y0, norm(x))
+
+
+def test_f32_copy_of_a_parameter_is_made_once_and_follows_writes():
+    """A bf16 parameter's fp32 copy (norm and conv weights in a bf16 model) is made once, not at
+    every call, and made anew when the parameter is written in place; activations are not kept."""
+    p = torch.nn.Parameter(torch.randn(64).bfloat16(), requires_grad=False)
+    first = native._f32(p)
+    assert first.dtype == torch.float32 and torch.equal(first, p.float())
+    assert native._f32(p) is first
+    with torch.no_grad():
+        p.mul_(2)
+    again = native._f32(p)
+    assert again is not first and torch.equal(again, p.float())
+    x = torch.randn(64).bfloat16()
+    assert native._f32(x) is not native._f32(x)
