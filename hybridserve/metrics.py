@@ -24,6 +24,8 @@ COUNTERS = {
     "prefill_tokens": ("prefill_tokens", "Prompt tokens computed by prefill forwards (cache hits excluded)."),
     "decode_tokens": ("decode_tokens", "Tokens computed by decode rows."),
     "retractions": ("retractions", "Running requests retracted to free KV pages."),
+    "shared_waits": ("shared_prefix_waits", "Rounds a request waited for another computing the prefix they share "
+                                            "(it then resumes from that one's checkpoint)."),
     "cache.lookup_tokens": ("cache_lookup_tokens", "Prompt tokens looked up in the prefix cache at admission."),
     "cache.kv_hit_tokens": ("kv_hit_tokens", "Looked-up tokens whose attention KV was cached."),
     "cache.state_hit_tokens": ("state_hit_tokens", "Looked-up tokens resumed from a recurrent-state checkpoint "

@@ -90,7 +90,7 @@ class CacheManager:
         A kernel writes states G-multiples from a segment's start (and at its end), so a chunk
         starting off the grid (cuts not aligned) can checkpoint only its own end."""
         out = []
-        for pos, kind in self.admission.prefill(start, end, req.fill_len, req.branch_pos).items():
+        for pos, kind in self.admission.prefill(start, end, req.fill_len, req.branch_pos, req.share_points).items():
             if start % self.g and pos != end:
                 continue
             slot = self.cache.alloc_checkpoint(self.reserved())

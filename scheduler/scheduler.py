@@ -41,7 +41,7 @@ class Scheduler:
         self._order = itertools.count()
         self._admitted: dict[Req, int] = {}  # running -> seniority (order of first admission)
         self._ended: list[Req] = []  # finished here, outside process() (queue timeout): for pop_ended()
-        self.counters = dict(prefill_tokens=0, decode_tokens=0, rounds=0, retractions=0)
+        self.counters = dict(prefill_tokens=0, decode_tokens=0, rounds=0, retractions=0, shared_waits=0)
 
     @property
     def cache(self) -> PrefixCache:
@@ -129,6 +129,7 @@ class Scheduler:
             if r not in busy and r.prefix_len == r.extend_end:
                 self._resume_from_cache(r)
         prefills = self.policy.prefill_order([r for r in prefills if r.remaining_fill > 0], self._admitted)
+        prefills = self._share(prefills, busy)
         plan = self.policy.plan(prefills, decodes, now)
         chunks, rows = self._place(plan)
         if plan.chunks and not chunks and not rows:  # no planned chunk got pages: run the decode rows it left out
@@ -178,6 +179,38 @@ class Scheduler:
         return changed
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _share(self, prefills: list[Req], busy: set[Req]) -> list[Req]:
+        """In-round prefix sharing. Requests that would compute the same next G tokens from the
+        same point (the tree holds nothing deeper for them yet: a burst of prompts with one
+        system prompt) are planned one at a time: the first in order leads, the others wait
+        while it computes (or has in flight) what they share, then resume from the checkpoint
+        it writes where their prompts part (its `share_points`), as `_resume_from_cache` does.
+        Without this, a round admitting k such requests computes the shared prefix k times."""
+        if not self.cache_manager.hits:
+            return prefills
+        g = self.cache_manager.g
+        leaders: dict[tuple, Req] = {}
+        for r in self.running:  # chunks in flight from their prefix: they lead whoever follows
+            if r in busy and r.status is Status.PREFILL and r.extend_end - r.prefix_len >= g:
+                leaders.setdefault((r.prefix_len, tuple(r.all_ids[r.prefix_len:r.prefix_len + g])), r)
+        kept = []
+        for r in prefills:
+            start = r.prefix_len
+            if r in busy or r.extend_end != start or r.fill_len - start <= g:
+                kept.append(r)  # mid-flight, or less than a G step left: nothing to wait for
+                continue
+            key = (start, tuple(r.all_ids[start:start + g]))
+            lead = leaders.get(key)
+            if lead is None or lead.all_ids[:start] != r.all_ids[:start]:
+                leaders.setdefault(key, r)
+                kept.append(r)
+                continue
+            shared = _common_prefix(lead.all_ids, r.all_ids, start + g, r.fill_len - 1) // g * g
+            if shared > lead.prefix_len:
+                lead.share_points.add(shared)
+            self.counters["shared_waits"] += 1
+        return kept
 
     def _append(self, r: Req, token: int, now: float) -> None:
         r.append(token)
@@ -304,3 +337,17 @@ class Scheduler:
         for r in self.running:
             if r.state_slot is None or any(self.cache.kv_pool.refcount(p) < 1 for p in r.kv_pages):
                 raise RuntimeError(f"request {r.rid}: lost its slot or a page")
+
+
+def _common_prefix(a: list[int], b: list[int], known: int, limit: int) -> int:
+    """Length of the common prefix of a and b, at most `limit`, given the first `known` agree."""
+    lo, hi = known, min(limit, len(a), len(b))
+    if lo >= hi:
+        return min(lo, hi)
+    while lo < hi:  # slices compare in C: O(log n) of them
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 if TYPE_CHECKING:
     from state_cache.config import CacheConfig
@@ -109,16 +109,19 @@ class CheckpointAdmission:
         """The G-position at or before pos."""
         return pos // self.granularity * self.granularity
 
-    def prefill(self, start: int, end: int, prompt_len: int, branch_pos: int = 0) -> dict[int, str]:
+    def prefill(self, start: int, end: int, prompt_len: int, branch_pos: int = 0,
+                share_points: Iterable[int] = ()) -> dict[int, str]:
         """{position: kind} of the checkpoints to write while computing prompt tokens [start,
-        end), positions in (start, end] in order. Kinds: "branch", "interval", "last" (near
-        the prompt's end), "hedge", "chunk"; a position several rules want has the first."""
+        end), positions in (start, end] in order. Kinds: "branch" (also `share_points`: where
+        requests waiting for this one part from it), "interval", "last" (near the prompt's end),
+        "hedge", "chunk"; a position several rules want has the first."""
         if not 0 <= start < end <= prompt_len:
             raise ValueError(f"need 0 <= start < end <= prompt_len, got start={start} end={end} "
                              f"prompt_len={prompt_len}")
         g, wanted = self.granularity, dict[int, str]()
         if self.branch_points:
-            wanted.setdefault(branch_pos, "branch")
+            for pos in (branch_pos, *share_points):
+                wanted.setdefault(pos, "branch")
         if self.interval:
             first = (start // self.interval + 1) * self.interval
             wanted.update((p, "interval") for p in range(first, end + 1, self.interval) if p not in wanted)

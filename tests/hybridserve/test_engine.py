@@ -87,6 +87,27 @@ def test_shared_prefix_hits_state_cache_and_keeps_tokens(tiny_model, profile):
     assert outs[True] == outs[False]
 
 
+def test_a_burst_with_one_system_prompt_computes_it_once_and_keeps_tokens(tiny_model, profile):
+    """Requests submitted together with a shared 150-token prefix: all but one wait while it
+    computes the prefix, resume from its checkpoint at 128, and give the tokens of an engine
+    with the prefix cache off."""
+    ref, path = tiny_model
+    vocab = ref.config.vocab_size
+    prefix = harness.prompt(vocab, 150, 7)
+    burst = [prefix + harness.prompt(vocab, 20, 30 + i) for i in range(4)]
+    outs, stats = {}, {}
+    for cache_on in (True, False):
+        llm = LLM(path, dtype="float32", memory_gb=0.05, max_running=8, cost_profile=profile, page_size=16,
+                  enable_prefix_cache=cache_on)
+        outs[cache_on] = [o.token_ids for o in llm.generate(burst, GREEDY)]
+        stats[cache_on] = llm.engine.stats()
+        llm.engine.scheduler.check_integrity()
+    assert outs[True] == outs[False]
+    assert stats[True]["shared_waits"] >= 3 and stats[False]["shared_waits"] == 0
+    assert stats[True]["prefill_tokens"] == 170 + 3 * (170 - 128)
+    assert stats[False]["prefill_tokens"] == 4 * 170
+
+
 def test_bad_requests_are_refused_and_nothing_leaks(tiny_model, profile):
     """Empty prompts, out-of-vocabulary ids and over-long requests raise ValueError naming the
     problem; an aborted request frees everything it held."""

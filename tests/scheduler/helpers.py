@@ -11,7 +11,7 @@ COST = CostModel(c0=1e-3, c_tok=1e-5, c_attn=1e-10, c_dec_attn=1e-9, c_serial=1e
 def make(policy="serial", pages=4096, page_size=64, active=16, checkpoints=64, cost=COST, **kw):
     """(scheduler, executor) on a counting-only cache with G = max(64, page_size)."""
     clock = SimClock()
-    cache_kw = {k: kw.pop(k) for k in ("checkpoint_interval",) if k in kw}
+    cache_kw = {k: kw.pop(k) for k in ("checkpoint_interval", "enable_prefix_cache", "checkpoint_hedge") if k in kw}
     cache = StateRadixCache(KVPool(pages, page_size), StatePool(active, checkpoints), {"kda": 64},
                             CacheConfig(**cache_kw))
     s = Scheduler(cache, SchedulerConfig(policy=policy, **kw), cost, clock)

@@ -197,3 +197,34 @@ def test_a_long_path_of_checkpoints_never_blocks_its_own_continuation():
         assert r.finished and r.cached_tokens >= len(context) - 64, step
         s.check_integrity()
         context = r.all_ids
+
+
+@pytest.mark.parametrize("shared_len", [512, 700])
+def test_a_burst_sharing_a_prefix_computes_it_once(shared_len):
+    """Requests arriving together with one system prompt: the first computes the shared part,
+    the others wait for it and resume from the checkpoint it writes where they part (its
+    share point, at the last G-multiple of the shared part: 512, or 640 of 700), instead of
+    each computing the prefix in the same round. With the prefix cache off nobody waits."""
+    g, k, own = 64, 6, 100
+    system = prompt(1, shared_len)
+    for cache in (True, False):
+        s, ex = make("serial", target_step=0.5, checkpoint_hedge=None, enable_prefix_cache=cache)
+        reqs = [req(f"r{i}", system + prompt(10 + i, own)) for i in range(k)]
+        run(s, ex, reqs, on_round=lambda sc: sc.check_integrity())
+        assert all(r.finished and len(r.output_ids) == r.max_new_tokens for r in reqs)
+        point = shared_len // g * g
+        if cache:
+            assert s.counters["shared_waits"] >= k - 1
+            assert [r.cached_tokens for r in reqs[1:]] == [0] * (k - 1)  # nothing was cached when they came
+            assert s.counters["prefill_tokens"] == shared_len + own + (k - 1) * (shared_len + own - point)
+        else:
+            assert s.counters["shared_waits"] == 0
+            assert s.counters["prefill_tokens"] == k * (shared_len + own)
+
+
+def test_requests_that_part_early_do_not_wait():
+    """Requests whose first G tokens differ share nothing worth waiting for: all are planned."""
+    s, ex = make("serial", target_step=0.5)
+    reqs = [req(f"r{i}", prompt(20 + i, 300)) for i in range(4)]
+    run(s, ex, reqs)
+    assert s.counters["shared_waits"] == 0 and s.counters["prefill_tokens"] == 4 * 300
