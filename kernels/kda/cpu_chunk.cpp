@@ -38,10 +38,11 @@ struct Sizes {
 // (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
 // The work buffers of one thread, reused job after job and chunk after chunk.
 struct Scratch {
-  std::vector<float> k, kq, G, kout, A, X, e, R, C;
+  std::vector<float> k, q, kq, G, kout, A, A_raw, X, e, R, C;
   explicit Scratch(const Sizes& s)
-      : k(CHUNK * s.K), kq(2 * CHUNK * s.K), G(CHUNK * s.gK), kout(CHUNK * s.K), A(2 * CHUNK * CHUNK),
-        X(CHUNK * (s.V + s.K)), e(std::max(s.K, CHUNK)), R(2 * BLK * s.K), C(CHUNK * s.K) {}
+      : k(CHUNK * s.K), q(CHUNK * s.K), kq(2 * CHUNK * s.K), G(CHUNK * s.gK), kout(CHUNK * s.K),
+        A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * (s.V + s.K)),
+        e(std::max(s.K, CHUNK)), R(2 * BLK * s.K), C(CHUNK * s.K) {}
 };
 
 template <typename T>
@@ -94,32 +95,52 @@ void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64
   }
 }
 
-// c tokens from packed row t0 of value head hv: outputs to o (fp32 [T, HV, V]), S [K, V] advanced.
+// The chunk's keys and raw queries of key head h as fp32 (w.k, w.q); for a decay per head, also
+// the undecayed A_raw = [K; Q] K^T, which every value head of h then decays its own way.
+template <typename T>
+void keys(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, int64_t h, Scratch& w) {
+  const int64_t K = s.K;
+  float *k = w.k.data(), *q = w.q.data();
+  for (int64_t i = 0; i < c; ++i) {
+    const T* kr = in.k + ((t0 + i) * s.H + h) * K;
+    const T* qr = in.q + ((t0 + i) * s.H + h) * K;
+    for (int64_t d = 0; d < K; ++d) {
+      k[i * K + d] = as_float(kr[d]);
+      q[i * K + d] = as_float(qr[d]);
+    }
+  }
+  if (s.gK == 1) {
+    float* kq = w.kq.data();
+    std::copy(k, k + c * K, kq);
+    std::copy(q, q + c * K, kq + c * K);
+    mm(false, true, 2 * c, c, K, 1.f, kq, K, k, K, 0.f, w.A_raw.data(), CHUNK);
+  }
+}
+
+// c tokens from packed row t0 of value head hv, whose key head's keys() are in w: outputs to o
+// (fp32 [T, HV, V]), S [K, V] advanced.
 template <typename T>
 void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c, int64_t hv, float* S,
            Scratch& w) {
-  const int64_t K = s.K, V = s.V, gK = s.gK, h = hv / (s.HV / s.H), VK = V + K;
+  const int64_t K = s.K, V = s.V, gK = s.gK, VK = V + K;
   // k [c, K]; kq [2c, K]: rows 0..c K exp(G), rows c..2c Q exp(G) scale; A [2c, CHUNK]: A_kk then A_qk;
   // X [c, V + K]: [V | K exp(G)], solved in place into [U | W], then [D | W]
   float *k = w.k.data(), *kq = w.kq.data(), *G = w.G.data(), *kout = w.kout.data(), *A = w.A.data();
   float *X = w.X.data(), *e = w.e.data();
-  float *kin = kq, *qin = kq + c * K, *A_kk = A, *A_qk = A + c * CHUNK;
-  for (int64_t i = 0; i < c; ++i) {  // load as fp32; G = running sum of the clamped log decays
-    const T* kr = in.k + ((t0 + i) * s.H + h) * K;
-    const T* qr = in.q + ((t0 + i) * s.H + h) * K;
+  float *qin = kq + c * K, *A_kk = A, *A_qk = A + c * CHUNK;
+  std::copy(w.q.data(), w.q.data() + c * K, qin);  // raw q until A_qk is formed
+  for (int64_t i = 0; i < c; ++i) {  // G = running sum of the clamped log decays; V as fp32
     const T* vr = in.v + ((t0 + i) * s.HV + hv) * V;
     const float* gr = in.g + ((t0 + i) * s.HV + hv) * gK;
     for (int64_t d = 0; d < gK; ++d) G[i * gK + d] = (i ? G[(i - 1) * gK + d] : 0.f) + std::max(gr[d], s.min_log_decay);
-    for (int64_t d = 0; d < K; ++d) {
-      k[i * K + d] = as_float(kr[d]);
-      qin[i * K + d] = as_float(qr[d]);  // raw q until A_qk is formed
-    }
     for (int64_t d = 0; d < V; ++d) X[i * VK + d] = as_float(vr[d]);
   }
   const float* last = G + (c - 1) * gK;
-  if (gK == 1) {  // A = [K; Q] K^T, then each pair's decay exp(G_i - G_j), a row at a time
-    std::copy(k, k + c * K, kin);
-    mm(false, true, 2 * c, c, K, 1.f, kq, K, k, K, 0.f, A, CHUNK);
+  if (gK == 1) {  // A = [K; Q] K^T (from keys()), then each pair's decay exp(G_i - G_j), a row at a time
+    for (int64_t i = 0; i < c; ++i) {
+      std::copy(w.A_raw.data() + i * CHUNK, w.A_raw.data() + i * CHUNK + i + 1, A_kk + i * CHUNK);
+      std::copy(w.A_raw.data() + (c + i) * CHUNK, w.A_raw.data() + (c + i) * CHUNK + i + 1, A_qk + i * CHUNK);
+    }
     for (int64_t i = 0; i < c; ++i) {
       float *rk = A_kk + i * CHUNK, *rq = A_qk + i * CHUNK;
 #pragma omp simd
@@ -188,28 +209,35 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
 template <typename T>
 void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_t>& cu, float* state,
          const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* ck_states) {
-  const int64_t N = static_cast<int64_t>(cu.size()) - 1, HV = s.HV, KV = s.K * s.V;
-  std::vector<int64_t> jobs(N * HV);  // longest sequences first, so the last jobs are short
+  // A job is (sequence, key head) and runs the key head's value heads chunk by chunk: each
+  // chunk's keys are loaded (and, with a decay per head, [K; Q] K^T formed) once for all of them.
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1, H = s.H, R = s.HV / s.H, KV = s.K * s.V;
+  std::vector<int64_t> jobs(N * H);  // longest sequences first, so the last jobs are short
   std::iota(jobs.begin(), jobs.end(), 0);
   std::stable_sort(jobs.begin(), jobs.end(), [&](int64_t a, int64_t b) {
-    return cu[a / HV + 1] - cu[a / HV] > cu[b / HV + 1] - cu[b / HV];
+    return cu[a / H + 1] - cu[a / H] > cu[b / H + 1] - cu[b / H];
   });
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N * HV);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), N * H);
 #pragma omp parallel num_threads(threads)
   {
     FlushDenormals flush;
     Scratch w(s);
+    std::vector<size_t> next(R);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t j = 0; j < N * HV; ++j) {
-      const int64_t n = jobs[j] / HV, hv = jobs[j] % HV;
-      float* S = state + (n * HV + hv) * KV;
+    for (int64_t j = 0; j < N * H; ++j) {
+      const int64_t n = jobs[j] / H, h = jobs[j] % H;
       const auto& plan = captures[n];
-      size_t next = 0;
+      std::fill(next.begin(), next.end(), 0);
       for (int64_t t = cu[n]; t < cu[n + 1]; t += CHUNK) {
         const int64_t c = std::min(CHUNK, cu[n + 1] - t);
-        chunk(s, in, o, t, c, hv, S, w);
-        for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
-          std::copy(S, S + KV, ck_states + (plan[next].second * HV + hv) * KV);
+        keys(s, in, t, c, h, w);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t hv = h * R + r;
+          float* S = state + (n * s.HV + hv) * KV;
+          chunk(s, in, o, t, c, hv, S, w);
+          for (; next[r] < plan.size() && plan[next[r]].first <= t + c - cu[n]; ++next[r])  // states after this chunk
+            std::copy(S, S + KV, ck_states + (plan[next[r]].second * s.HV + hv) * KV);
+        }
       }
     }
   }
@@ -231,6 +259,7 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const a
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &state})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "chunk_delta_rule: contiguous fp32 g, beta, state");
   const int64_t T = q.size(0), HV = v.size(1), K = q.size(2), V = v.size(2);
+  TORCH_CHECK(HV % q.size(1) == 0, "chunk_delta_rule: value heads a multiple of key heads");
   const Sizes s{q.size(1), HV, K, V, g.size(2), static_cast<float>(scale), static_cast<float>(min_log_decay)};
   auto cu_t = cu_seqlens.to(at::kLong).contiguous();
   std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
