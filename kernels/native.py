@@ -341,13 +341,17 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor | None:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def moe_bf16(x, idx, weight, gate_up, down, act: str) -> torch.Tensor | None:
+def moe_bf16(x, idx, weight, gate_up, down, act: str, plus=None) -> torch.Tensor | None:
     """models/layers/mlp.py's run_experts for gated experts without biases in bf16 on CPU (x [T, D],
     idx and weight [T, k], the experts' stacks gate_up [E, 2I, D] and down [E, D, I]), with the
-    torch path's roundings; None where the kernel cannot run."""
+    torch path's roundings, plus scale * extra for plus = (scale [T, 1], extra [T, D]) (a shared
+    expert) in the same pass; None where the kernel cannot run."""
     ok = x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and act == "silu"
+    ok = ok and (plus is None or (plus[0].dtype == plus[1].dtype == torch.bfloat16 and plus[1].shape == x.shape
+                                  and plus[0].numel() == x.shape[0]))
     ext = _bf16_gemm() if ok and x.shape[1] % 2 == 0 and down.shape[2] % 2 == 0 else None
     if ext is None:
         return None
     gu, dn = _packed(gate_up, lambda: ext.pack_experts_bf16(gate_up, down))
-    return ext.moe_bf16(x.contiguous(), idx, weight.to(x.dtype), gu, dn, act)
+    scale, extra = (EMPTY, EMPTY) if plus is None else (_dense(plus[0]), _dense(plus[1]))
+    return ext.moe_bf16(x.contiguous(), idx, weight.to(x.dtype), gu, dn, act, scale, extra)

@@ -145,8 +145,7 @@ class SparseMoE(nn.Module):
             if self.renorm:
                 routed = (routed[0] / routed[0].sum(-1, keepdim=True), routed[1])
         w, idx = routed  # [T, top_k] each
-        shared = torch.sigmoid(shared_gate) * se.finish(gate, up)
-        return run_experts(x, self.experts, idx, w.to(x.dtype)) + shared
+        return run_experts(x, self.experts, idx, w.to(x.dtype), plus=(torch.sigmoid(shared_gate), se.finish(gate, up)))
 
 
 def is_sparse(hf, i: int) -> bool:

@@ -134,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> pack_experts_bf16(const at::Tensor& gate_up, 
 // x [T, D] bf16 contiguous; idx [T, k] int64 experts; weight [T, k] bf16; gate_up, down packed by
 // pack_experts_bf16; act "silu". Returns [T, D] bf16.
 at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
-                    const at::Tensor& down, const std::string& act) {
+                    const at::Tensor& down, const std::string& act, const at::Tensor& scale, const at::Tensor& extra) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "moe_bf16: contiguous bf16 x [T, D]");
   TORCH_CHECK(act == "silu", "moe_bf16: act must be silu");
   const int64_t T = x.size(0), D = x.size(1), k = idx.size(1), E = gate_up.size(0), NI = gate_up.size(2);
@@ -142,6 +142,10 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   TORCH_CHECK(idx.size(0) == T && weight.sizes() == idx.sizes() && weight.scalar_type() == at::kBFloat16,
               "moe_bf16: idx, weight [T, k]");
   TORCH_CHECK(gate_up.size(3) == D && ND * BN >= D && down.size(0) == E, "moe_bf16: packed experts");
+  const bool plus = extra.numel() > 0;
+  TORCH_CHECK(!plus || (extra.sizes() == x.sizes() && extra.scalar_type() == at::kBFloat16 && extra.is_contiguous() &&
+                        scale.numel() == T && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous()),
+              "moe_bf16: scale [T] and extra [T, D] bf16, contiguous");
   auto id = idx.to(at::kLong).contiguous();
   auto w = weight.contiguous();
   const int64_t* ip = id.data_ptr<int64_t>();
@@ -193,9 +197,12 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
     }
     cpublas::brgemm_release();
   });
-  // each token's choices: the product rounded, then summed in order (moe_combine's roundings)
+  // each token's choices: the product rounded, then summed in order (moe_combine's roundings);
+  // with `extra`, the sum rounded plus scale * extra rounded (torch's bf16 mul and add)
   auto out = at::empty({T, D}, x.options());
   const BFloat16* wp = w.data_ptr<BFloat16>();
+  const BFloat16* sp = plus ? scale.data_ptr<BFloat16>() : nullptr;
+  const auto* xp = plus ? reinterpret_cast<const uint16_t*>(extra.data_ptr<BFloat16>()) : nullptr;
   auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
@@ -208,8 +215,16 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
         for (int64_t d = 0; d < D; ++d)
           acc[d] += round_bf16(std::bit_cast<float>(static_cast<uint32_t>(row[d]) << 16) * wc);
       }
+      if (plus) {
+        const float st = as_float(sp[t]);
+        const uint16_t* e = xp + t * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) O[t * D + d] = bf16_bits(acc[d]);
+        for (int64_t d = 0; d < D; ++d)
+          O[t * D + d] = bf16_bits(round_bf16(acc[d]) + round_bf16(st * std::bit_cast<float>(static_cast<uint32_t>(e[d]) << 16)));
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) O[t * D + d] = bf16_bits(acc[d]);
+      }
     }
   });
   return out;

@@ -92,8 +92,11 @@ def _bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
     return torch.bmm(x, w.transpose(1, 2)) if b is None else torch.baddbmm(b, x, w.transpose(1, 2))
 
 
-def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """sum_k weight[t, k] * experts[idx[t, k]](x[t]) for x [T, D], idx/weight [T, top_k].
+def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weight: torch.Tensor,
+                plus: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """sum_k weight[t, k] * experts[idx[t, k]](x[t]) for x [T, D], idx/weight [T, top_k]; with
+    plus = (scale [T, 1], extra [T, D]) that sum + scale * extra (a gated shared expert), which
+    the compiled bf16 call adds in its own pass.
 
     When the busiest expert's rows times the expert count is at most twice the T * top_k
     (token, choice) rows (balanced routing), or no expert has more than PAD_FREE_ROWS rows
@@ -109,9 +112,14 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     if x.dtype == torch.bfloat16 and hasattr(experts[0], "parts"):
         w = stack_experts(experts)
         if w.gate_up is not None and w.act is ACTS["silu"]:
-            out = native.moe_bf16(x, idx, weight, w.gate_up, w.down, "silu")
+            out = native.moe_bf16(x, idx, weight, w.gate_up, w.down, "silu", plus)
             if out is not None:
                 return out
+    out = _run_experts(x, experts, idx, weight)
+    return out if plus is None else out + plus[0] * plus[1]
+
+
+def _run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     t, k = idx.shape
     flat = idx.flatten()
     counts = torch.bincount(flat, minlength=len(experts))  # [E]

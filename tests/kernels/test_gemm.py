@@ -91,6 +91,23 @@ def test_moe_equals_the_torch_path(monkeypatch, tokens):
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_moe_adds_a_gated_shared_expert_as_torch_rounds_it(monkeypatch, tokens):
+    """plus = (scale, extra) (Qwen3-Next's sigmoid-gated shared expert) added in the combine
+    pass: bit for bit the routed sum + scale * extra in torch's bf16 ops; the torch path agrees."""
+    experts, x, idx, w = experts_and_routing(tokens)
+    scale = torch.sigmoid(torch.randn(tokens, 1)).bfloat16()
+    extra = torch.randn(tokens, x.shape[1]).bfloat16()
+    with torch.no_grad():
+        got = run_experts(x, experts, idx, w, plus=(scale, extra))
+        assert torch.equal(got, run_experts(x, experts, idx, w) + scale * extra)
+        monkeypatch.setattr(mlp.native, "moe_bf16", lambda *a: None)
+        want = run_experts(x, experts, idx, w, plus=(scale, extra))
+    assert (got == want).float().mean().item() > 0.99
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
+
+
+@needs_bf16_gemm
 def test_moe_routes_every_choice_to_one_expert():
     """Skewed routing (every token on the same two experts, several row blocks each) and an
     expert no token chose."""
