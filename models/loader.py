@@ -64,7 +64,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                 if name not in params:
                     unexpected.append(name)
                     continue
-                t = f.get_tensor(name)
+                t = model.from_checkpoint(name, f.get_tensor(name))
                 dst = params[name]
                 if t.shape != dst.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(dst.shape)}")

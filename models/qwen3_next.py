@@ -21,8 +21,11 @@ from models.layers.state import delta_inputs, delta_rule, short_conv
 
 
 class GatedDeltaNet(nn.Module):
-    """GDN: q/k/v/z and b/a projections grouped by key head, one short conv over the
-    concatenated [q, k, v] channels, scalar-gated delta rule, silu(z)-gated output norm."""
+    """GDN: q/k/v/z and b/a projections, one short conv over the concatenated [q, k, v]
+    channels, scalar-gated delta rule, silu(z)-gated output norm. The checkpoint groups the
+    projections' rows by key head ([q_h | k_h | v_h | z_h] and [b_h | a_h] for each h); they are
+    held as [all q | all k | all v | all z] and [all b | all a] (`from_checkpoint`), so the conv
+    input and the gate are column ranges of the projection, not gathered every forward."""
 
     def __init__(self, cfg, state_idx: int):
         super().__init__()
@@ -41,21 +44,30 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, eps=cfg.rms_norm_eps, activation="silu")
         self.out_proj = Linear(value_dim, hid, bias=False)
 
+    def from_checkpoint(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by key head -> grouped by kind (the layout forward reads)."""
+        h, r, dk, dv = self.h, self.hv // self.h, self.dk, self.dv
+        if name == "in_proj_qkvz.weight":
+            q, k, v, z = t.view(h, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
+            return torch.cat([part.reshape(-1, t.shape[-1]) for part in (q, k, v, z)])
+        if name == "in_proj_ba.weight":
+            b, a = t.view(h, 2 * r, -1).split([r, r], 1)
+            return torch.cat([b.reshape(-1, t.shape[-1]), a.reshape(-1, t.shape[-1])])
+        return t
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         h, hv, dk, dv = self.h, self.hv, self.dk, self.dv
-        r = hv // h  # value heads per key head
         buf = batch.memory.state[self.state_idx]
         qkvz, ba = fused_linear(x, self.in_proj_qkvz, self.in_proj_ba)
-        q, k, v, z = qkvz.view(t, h, -1).split([dk, dk, r * dv, r * dv], -1)  # [T, H, *]
-        b, a = ba.view(t, h, 2 * r).split([r, r], -1)  # [T, H, r]
-        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)  # [T, 2*H*K + HV*V]
+        qkv, z = qkvz.split([2 * h * dk + hv * dv, hv * dv], -1)  # [T, 2*H*K + HV*V], [T, HV*V]
+        b, a = ba.view(t, 2, 1, hv).unbind(1)  # [T, 1, HV] each
         w = self.conv1d.weight[:, 0]  # [2*H*K + HV*V, W]
-        qkv = short_conv(batch, buf["conv"], qkv, w, None)
+        qkv = short_conv(batch, buf["conv"], qkv.contiguous(), w, None)
         # fp32 q, k [T, H, K] l2-normalised, v [T, HV, V], g [T, HV, 1], beta [T, HV]
         q, k, v, g, beta = delta_inputs(qkv, (h, dk, hv, dv), a, self.A_log, self.dt_bias, b)
         o = delta_rule(batch, buf["recurrent"], "gdn", q, k, v, g.view(t, hv), beta)  # [T, HV, V]
-        o = self.norm(o, z.reshape(t, hv, dv)).to(x.dtype)
+        o = self.norm(o, z.view(t, hv, dv)).to(x.dtype)
         return self.out_proj(o.reshape(t, -1))
 
 

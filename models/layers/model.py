@@ -71,6 +71,17 @@ class CausalLM(nn.Module):
         if self.tied:
             self.lm_head.weight = getattr(self.decoder, self.embed_name).weight
 
+    def from_checkpoint(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as the parameter `name` holds it: the innermost module above it
+        with a `from_checkpoint(rest_of_name, t)` (a layout of its own) converts it, else t."""
+        parts = name.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            module = self.get_submodule(".".join(parts[:cut]))
+            convert = getattr(module, "from_checkpoint", None)
+            if convert is not None and module is not self:
+                return convert(".".join(parts[cut:]), t)
+        return t
+
     @staticmethod
     def layer_kinds(hf) -> tuple[str, ...]:
         raise NotImplementedError
