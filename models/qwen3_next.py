@@ -94,7 +94,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class GatedAttention(nn.Module):
     """GQA with per-head (1 + w) q/k norms, partial RoPE, and a sigmoid output gate that
-    q_proj emits beside the queries (per head: [q | gate])."""
+    q_proj emits beside the queries (per head: [q | gate] in the checkpoint; held as
+    [all q | all gate] by `from_checkpoint`, so the gate is a column range, not a copy)."""
 
     def __init__(self, cfg, kv_idx: int):
         super().__init__()
@@ -113,10 +114,16 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset=1.0)
 
+    def from_checkpoint(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """q_proj rows (and bias) per head [q | gate] -> [all q | all gate]."""
+        if name in ("q_proj.weight", "q_proj.bias"):
+            return t.view(self.h, 2, self.d, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return t
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        q, gate = q.view(t, self.h, 2 * self.d).chunk(2, -1)  # [T, H, D] each
+        q, gate = q.view(t, 2, self.h, self.d).unbind(1)  # [T, H, D] each
         k, v = k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)  # [T, Hkv, D]
         cos, sin = rope_cos_sin(batch, self.rot, self.theta)
         q, k = self.norm_rope(q, self.q_norm, cos, sin), self.norm_rope(k, self.k_norm, cos, sin)
