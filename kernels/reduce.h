@@ -4,6 +4,7 @@
 // there. Sixteen running maxima break the chain.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 inline float max_of(const float* s, int64_t n, float init) {
@@ -17,4 +18,23 @@ inline float max_of(const float* s, int64_t n, float init) {
   for (int64_t j = 0; j < 16; ++j) top = std::max(top, part[j]);
   for (; t < n; ++t) top = std::max(top, s[t]);
   return top;
+}
+
+// One row of an online softmax: n new scores s become their numerators exp(s - max) in place,
+// the running max m and sum l are updated, and the row's accumulator acc (Dv) is rescaled to
+// the new max (shared by the prefill and decode attention kernels).
+inline void online_softmax_row(float* s, int64_t n, float& m, float& l, float* acc, int64_t Dv) {
+  const float top = max_of(s, n, m);
+  const float corr = std::exp(m - top);  // 0 at the first block
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - top);
+    sum += s[t];
+  }
+  m = top;
+  l = l * corr + sum;
+  if (corr != 1.f)
+#pragma omp simd
+    for (int64_t d = 0; d < Dv; ++d) acc[d] *= corr;
 }

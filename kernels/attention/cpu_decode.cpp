@@ -63,22 +63,7 @@ const float* as_rows(const T* src, int64_t ld, int64_t n, int64_t D, float* dst)
 // running max m and sum l per row, the accumulator rows acc (Dv each) rescaled; p becomes the
 // block's numerators.
 inline void softmax_block(float* p, int64_t ld, int64_t rows, int64_t n, float* m, float* l, float* acc, int64_t Dv) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* pr = p + r * ld;
-    const float top = max_of(pr, n, m[r]);
-    const float corr = std::exp(m[r] - top);  // 0 at the first block
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      pr[t] = std::exp(pr[t] - top);
-      sum += pr[t];
-    }
-    m[r] = top;
-    l[r] = l[r] * corr + sum;
-    if (corr != 1.f)
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) acc[r * Dv + d] *= corr;
-  }
+  for (int64_t r = 0; r < rows; ++r) online_softmax_row(p + r * ld, n, m[r], l[r], acc + r * Dv, Dv);
 }
 
 // Leading pages that every sequence's page table shares and that hold keys of every sequence only

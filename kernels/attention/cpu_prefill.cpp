@@ -46,6 +46,37 @@ std::vector<Job> make_jobs(const std::vector<int64_t>& cu, const std::vector<int
   return jobs;
 }
 
+// The queries and paged caches of one call: sizes, and the address of a query row or of the key
+// or value row of a sequence's position, read in place from its page.
+template <typename T>
+struct Paged {
+  int64_t H, Dk, Hkv, R, page_size, width, k_page, k_row, k_head, v_page, v_row, v_head;
+  const T *qp, *kp, *vp;
+  const int64_t* pp;
+  Paged(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages)
+      : H(q.size(1)), Dk(q.size(2)), Hkv(kc.size(2)), R(H / Hkv), page_size(kc.size(1)), width(pages.size(1)),
+        k_page(kc.stride(0)), k_row(kc.stride(1)), k_head(kc.stride(2)), v_page(vc.stride(0)),
+        v_row(vc.stride(1)), v_head(vc.stride(2)), qp(q.data_ptr<T>()), kp(kc.data_ptr<T>()),
+        vp(vc.data_ptr<T>()), pp(pages.data_ptr<int64_t>()) {}
+  const T* query(int64_t token, int64_t head) const { return qp + (token * H + head) * Dk; }
+  const T* key(int64_t n, int64_t g, int64_t at) const {
+    return kp + pp[n * width + at / page_size] * k_page + at % page_size * k_row + g * k_head;
+  }
+  const T* value(int64_t n, int64_t g, int64_t at) const {
+    return vp + pp[n * width + at / page_size] * v_page + at % page_size * v_row + g * v_head;
+  }
+};
+
+// A job's key positions (pos[i]: query i's) and a fresh online softmax for its M rows.
+void start_job(const Job& job, const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, int64_t M,
+               int64_t Dv, int64_t* pos, float* acc, float* m, float* l) {
+  const int64_t first = lens[job.n] - (cu[job.n + 1] - cu[job.n]) + job.q0;  // cached keys before the block
+  for (int64_t i = 0; i < job.rows; ++i) pos[i] = first + i;
+  std::fill(acc, acc + M * Dv, 0.f);
+  std::fill(m, m + M, -1e30f);  // finite: built with -ffast-math
+  std::fill(l, l + M, 0.f);
+}
+
 // The online softmax of M query rows (row r * rows + i: query i, at key position pos[i]) over
 // the kb keys k0 .. k0 + kb - 1 whose scores are in S (rows of ld): running max m and sum l per
 // row, the accumulator rows (Dv each) rescaled; S becomes the numerators, 0 for keys a query
@@ -55,21 +86,8 @@ void softmax_rows(float* S, int64_t ld, int64_t M, int64_t rows, const int64_t* 
   for (int64_t row = 0; row < M; ++row) {
     const int64_t seen = std::max<int64_t>(0, std::min(kb, pos[row % rows] + 1 - k0));
     float* s = S + row * ld;
-    const float top = max_of(s, seen, m[row]);
-    const float corr = std::exp(m[row] - top);  // 0 at the first block
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < seen; ++t) {
-      s[t] = std::exp(s[t] - top);
-      sum += s[t];
-    }
+    online_softmax_row(s, seen, m[row], l[row], acc + row * Dv, Dv);
     std::fill(s + seen, s + kb, 0.f);  // keys after the query: masked
-    m[row] = top;
-    l[row] = l[row] * corr + sum;
-    float* a = acc + row * Dv;
-    if (corr != 1.f)
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
   }
 }
 
@@ -88,14 +106,8 @@ void finish(const float* acc, const float* l, int64_t R, int64_t rows, int64_t D
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
              const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
-  const int64_t H = q.size(1), Dk = q.size(2), N = static_cast<int64_t>(lens.size());
-  const int64_t page_size = kc.size(1), Hkv = kc.size(2), R = H / Hkv, width = pages.size(1);
-  const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
-  const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  const int64_t* pp = pages.data_ptr<int64_t>();
+  const Paged<T> P(q, kc, vc, pages);
+  const int64_t H = P.H, Dk = P.Dk, Hkv = P.Hkv, R = P.R;
   const std::vector<Job> jobs = make_jobs(cu, lens, Hkv);
   const int64_t J = static_cast<int64_t>(jobs.size());
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
@@ -108,25 +120,20 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < J; ++j) {
       const Job& job = jobs[j];
-      const int64_t E = cu[job.n + 1] - cu[job.n], rows = job.rows, M = R * rows;
-      const int64_t* table = pp + job.n * width;
-      for (int64_t i = 0; i < rows; ++i) pos[i] = lens[job.n] - E + job.q0 + i;  // key position of query i
+      const int64_t rows = job.rows, M = R * rows;
+      start_job(job, cu, lens, M, Dv, pos.data(), acc.data(), m.data(), l.data());
       for (int64_t r = 0; r < R; ++r)  // row r * rows + i: query i of head g * R + r
         for (int64_t i = 0; i < rows; ++i) {
-          const T* src = qp + ((cu[job.n] + job.q0 + i) * H + job.g * R + r) * Dk;
+          const T* src = P.query(cu[job.n] + job.q0 + i, job.g * R + r);
           float* dst = Q.data() + (r * rows + i) * Dk;
           for (int64_t d = 0; d < Dk; ++d) dst[d] = as_float(src[d]) * scale;
         }
-      std::fill(acc.begin(), acc.begin() + M * Dv, 0.f);
-      std::fill(m.begin(), m.begin() + M, -1e30f);  // finite: built with -ffast-math
-      std::fill(l.begin(), l.begin() + M, 0.f);
       const int64_t last = pos[rows - 1];
       for (int64_t k0 = 0; k0 <= last; k0 += KB) {
         const int64_t kb = std::min(KB, last + 1 - k0);
         for (int64_t t = 0; t < kb; ++t) {  // key and value rows k0 + t, from their pages
-          const int64_t at = k0 + t, page = table[at / page_size], row = at % page_size;
-          const T* ks = kp + page * k_page + row * k_row + job.g * k_head;
-          const T* vs = vp + page * v_page + row * v_row + job.g * v_head;
+          const T* ks = P.key(job.n, job.g, k0 + t);
+          const T* vs = P.value(job.n, job.g, k0 + t);
           for (int64_t d = 0; d < Dk; ++d) K[t * Dk + d] = as_float(ks[d]);
           for (int64_t d = 0; d < Dv; ++d) V[t * Dv + d] = as_float(vs[d]);
         }
@@ -179,14 +186,8 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
                  const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
   using T = c10::BFloat16;
   namespace cpublas = at::native::cpublas;
-  const int64_t H = q.size(1), Dk = q.size(2), N = static_cast<int64_t>(lens.size());
-  const int64_t page_size = kc.size(1), Hkv = kc.size(2), R = H / Hkv, width = pages.size(1);
-  const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
-  const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
-  const int64_t* pp = pages.data_ptr<int64_t>();
+  const Paged<T> P(q, kc, vc, pages);
+  const int64_t H = P.H, Dk = P.Dk, Hkv = P.Hkv, R = P.R, N = static_cast<int64_t>(lens.size());
   std::vector<int64_t> base(N * Hkv + 1, 0);  // first packed block of (n, g)
   std::vector<std::array<int64_t, 3>> blocks;  // (n, g, first key)
   for (int64_t n = 0; n < N; ++n)
@@ -203,21 +204,17 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       const auto [n, g, k0] = blocks[i];
       const int64_t cnt = std::min(AKB, lens[n] - k0);
       uint32_t *kb = kt.data() + i * (Dk / 2) * AKB, *vb = vv.data() + i * (AKB / 2) * Dv;
-      auto key = [&](int64_t t, int64_t stride_page, int64_t stride_row, int64_t stride_head, const T* cache) {
-        const int64_t at = k0 + t, page = pp[n * width + at / page_size];
-        return cache + page * stride_page + (at % page_size) * stride_row + g * stride_head;
-      };
       for (int64_t t = 0; t < AKB; ++t) {
         if (t >= cnt) {
           for (int64_t c = 0; c < Dk / 2; ++c) kb[c * AKB + t] = 0;
           continue;
         }
-        const auto* row = reinterpret_cast<const uint32_t*>(key(t, k_page, k_row, k_head, kp));
+        const auto* row = reinterpret_cast<const uint32_t*>(P.key(n, g, k0 + t));
         for (int64_t c = 0; c < Dk / 2; ++c) kb[c * AKB + t] = row[c];
       }
       for (int64_t j = 0; j < AKB / 2; ++j) {
-        const auto* a = reinterpret_cast<const uint16_t*>(2 * j < cnt ? key(2 * j, v_page, v_row, v_head, vp) : nullptr);
-        const auto* b = reinterpret_cast<const uint16_t*>(2 * j + 1 < cnt ? key(2 * j + 1, v_page, v_row, v_head, vp) : nullptr);
+        const auto* a = reinterpret_cast<const uint16_t*>(2 * j < cnt ? P.value(n, g, k0 + 2 * j) : nullptr);
+        const auto* b = reinterpret_cast<const uint16_t*>(2 * j + 1 < cnt ? P.value(n, g, k0 + 2 * j + 1) : nullptr);
         uint32_t* out = vb + j * Dv;
         if (a && b) {
 #pragma omp simd
@@ -234,31 +231,28 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
 #pragma omp parallel num_threads(threads)
   {
     FlushDenormals flush;
-    std::vector<T> Q(R * QB * Dk), P(R * QB * AKB);
+    std::vector<T> Q(R * QB * Dk), num(R * QB * AKB);
     std::vector<float> S(R * QB * AKB), acc(R * QB * Dv), m(R * QB), l(R * QB);
     std::vector<int64_t> pos(QB);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < J; ++j) {
       const Job& job = jobs[j];
-      const int64_t E = cu[job.n + 1] - cu[job.n], rows = job.rows, M = R * rows;
-      for (int64_t i = 0; i < rows; ++i) pos[i] = lens[job.n] - E + job.q0 + i;  // key position of query i
+      const int64_t rows = job.rows, M = R * rows;
+      start_job(job, cu, lens, M, Dv, pos.data(), acc.data(), m.data(), l.data());
       for (int64_t r = 0; r < R; ++r)  // row r * rows + i: query i of head g * R + r
         for (int64_t i = 0; i < rows; ++i) {
-          const T* src = qp + ((cu[job.n] + job.q0 + i) * H + job.g * R + r) * Dk;
+          const T* src = P.query(cu[job.n] + job.q0 + i, job.g * R + r);
           std::copy(src, src + Dk, Q.begin() + (r * rows + i) * Dk);
         }
-      std::fill(acc.begin(), acc.begin() + M * Dv, 0.f);
-      std::fill(m.begin(), m.begin() + M, -1e30f);  // finite: built with -ffast-math
-      std::fill(l.begin(), l.begin() + M, 0.f);
       const int64_t last = pos[rows - 1], first = base[job.n * Hkv + job.g];
       for (int64_t k0 = 0; k0 <= last; k0 += AKB) {
         const int64_t kb = std::min(AKB, last + 1 - k0), blk = first + k0 / AKB;
         for (int64_t m0 = 0; m0 < M; m0 += AM)
           cpublas::brgemm(std::min(AM, M - m0), AKB, Dk, Dk, AKB, AKB, false, Q.data() + m0 * Dk,
                           reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB);
-        numerators_bf16(S.data(), P.data(), M, rows, pos.data(), k0, kb, scale, m.data(), l.data(), acc.data(), Dv);
+        numerators_bf16(S.data(), num.data(), M, rows, pos.data(), k0, kb, scale, m.data(), l.data(), acc.data(), Dv);
         for (int64_t m0 = 0; m0 < M; m0 += AM)
-          cpublas::brgemm(std::min(AM, M - m0), Dv, AKB, AKB, Dv, Dv, true, P.data() + m0 * AKB,
+          cpublas::brgemm(std::min(AM, M - m0), Dv, AKB, AKB, Dv, Dv, true, num.data() + m0 * AKB,
                           reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv), acc.data() + m0 * Dv);
       }
       finish(acc.data(), l.data(), R, rows, Dv, op + ((cu[job.n] + job.q0) * H + job.g * R) * Dv, H * Dv);
