@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
         for cut in range(len(parts) - 1, 0, -1):
             module = self.get_submodule(".".join(parts[:cut]))
             convert = getattr(module, "from_checkpoint", None)
-            if convert is not None and module is not self:
+            if convert is not None:
                 return convert(".".join(parts[cut:]), t)
         return t
 
