@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from benchmarks.engine import prompts
 from benchmarks.peer_models import MODELS, VOCAB, build
+from models.builtin import BYTE_VOCAB, builtin_path
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -47,11 +49,26 @@ MEMORY_GB = 2.0  # ours: KV + states + checkpoints; vLLM: VLLM_CPU_KVCACHE_SPACE
 ENGINES = ("hybridserve", "vllm")
 
 
+BUILTIN = "builtin"  # our built-in Kimi Linear checkpoint (byte tokenizer): vLLM-CPU cannot load KDA
+
+
 @dataclass(frozen=True)
 class Row:
     label: str
-    model: str  # a peer_models.MODELS name
+    model: str  # a peer_models.MODELS name, or BUILTIN
     prefix_cache: bool
+
+    @property
+    def dtype(self) -> str:
+        return "bfloat16" if self.model == BUILTIN else MODELS[self.model].dtype
+
+    @property
+    def vocab(self) -> int:
+        """Prompt token ids are drawn below this (the built-in model's are bytes)."""
+        return BYTE_VOCAB if self.model == BUILTIN else VOCAB
+
+    def engines(self, available: tuple[str, ...]) -> tuple[str, ...]:
+        return ENGINES[:1] if self.model == BUILTIN else available
 
 
 ROWS = {
@@ -59,6 +76,8 @@ ROWS = {
     "qwen3-next-nocache": Row("Qwen3-Next bf16, prefix cache off", "qwen3-next", False),
     # vLLM's NemotronH crashes with prefix caching on CPU: compared with it off
     "nemotron-h-nocache": Row("NemotronH fp32, prefix cache off", "nemotron-h", False),
+    # ours only: its tok/s against the Qwen3-Next cache-on row's is the Kimi comparison
+    "kimi-builtin-cache": Row("built-in Kimi Linear bf16, prefix cache on (ours only)", BUILTIN, True),
 }
 
 
@@ -88,10 +107,20 @@ def speed(ours_s: float, vllm_s: float) -> float:
     return vllm_s / ours_s
 
 
-def workload(args: argparse.Namespace) -> dict:
+def workload(args: argparse.Namespace, vocab: int = VOCAB) -> dict:
     """Token ids for both engines: the measured prompts and a warm-up prompt sharing nothing with them."""
-    batch = prompts(args.requests, args.prefix, args.suffix, vocab=VOCAB)
-    return {"prompts": batch, "warmup": prompts(1, 0, 16, vocab=VOCAB, seed=1)[0], "new": args.new}
+    batch = prompts(args.requests, args.prefix, args.suffix, vocab=vocab)
+    return {"prompts": batch, "warmup": prompts(1, 0, 16, vocab=vocab, seed=1)[0], "new": args.new}
+
+
+def checkpoint(model: str, cache: Path) -> tuple[Path | str, int]:
+    """A row's model as our engine and worker name it, and its parameter count (peer ones built once)."""
+    if model == BUILTIN:
+        from safetensors import safe_open
+
+        with safe_open(builtin_path() / "model.safetensors", "pt") as f:
+            return BUILTIN, sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return build(model, cache)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -113,7 +142,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def worker_command(engine: str, row: Row, path: Path, work_file: Path, args, profile: str | Path | None) -> list[str]:
-    common = ["--model", str(path), "--dtype", MODELS[row.model].dtype, "--prefix-cache",
+    common = ["--model", str(path), "--dtype", row.dtype, "--prefix-cache",
               "on" if row.prefix_cache else "off", "--workload", str(work_file), "--threads", str(args.threads)]
     if engine == "vllm":
         return [args.vllm_python, str(HERE / "peer_vllm.py"), "worker", *common]
@@ -213,8 +242,9 @@ def threads_env(threads: int) -> dict[str, str]:
 
 def measure(row: Row, path: Path, args, engines: tuple[str, ...], profile: str | Path, scratch: Path) -> dict:
     """One table row: engines alternating for `--repeats`, the minimum time per engine."""
+    engines = row.engines(engines)
     work_file = scratch / "workload.json"
-    work_file.write_text(json.dumps(workload(args)))
+    work_file.write_text(json.dumps(workload(args, row.vocab)))
     runs: dict[str, list[float]] = {e: [] for e in engines}
     others: dict[str, list[float]] = {e: [] for e in engines}  # others' CPU share during each run
     tokens: dict[str, list[list[int]]] = {}
@@ -250,7 +280,8 @@ def busy_loops(n: int) -> list[subprocess.Popen]:
 def measure_loaded(row: Row, path: Path, args, engines: tuple[str, ...], profile: str | Path, scratch: Path) -> dict:
     """The row again with `--under-load` busy-looping processes beside each run (no quiet wait,
     no retries): every run's wall time and the spread (slowest / fastest) per engine."""
-    work_file = scratch / "workload.json"
+    engines = row.engines(engines)
+    work_file = scratch / "workload.json"  # measure()'s, of this row
     runs: dict[str, list[float]] = {e: [] for e in engines}
     hogs = busy_loops(args.under_load)
     try:
@@ -294,7 +325,7 @@ SERVE_METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_
 
 
 def server_command(engine: str, row: Row, path: Path, port: int, args, profile: str | Path) -> list[str]:
-    dtype = MODELS[row.model].dtype
+    dtype = row.dtype
     if engine == "vllm":
         cache = "--enable-prefix-caching" if row.prefix_cache else "--no-enable-prefix-caching"
         return [args.vllm_python, str(HERE / "peer_vllm.py"), "cli", "serve", str(path), "--host", "127.0.0.1",
@@ -422,12 +453,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"--serve needs vLLM (its client is `vllm bench serve`): pass --vllm-python or set ${VLLM_ENV}")
     engines = ENGINES if args.vllm_python else ENGINES[:1]
     rows = [ROWS[r] for r in args.rows or (["qwen3-next-cache"] if args.serve else list(ROWS))]
+    if args.serve and any(r.model == BUILTIN for r in rows):
+        sys.exit("--serve compares with vLLM, which cannot load the built-in Kimi model: leave its row out")
     scratch = args.cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
     scratch.mkdir(parents=True)
-    paths = {m: build(m, args.cache) for m in {r.model for r in rows}}
+    dtypes = {r.model: r.dtype for r in rows}
+    paths = {m: checkpoint(m, args.cache) for m in dtypes}
     for m, (path, params) in paths.items():
-        print(f"{m}: {params / 1e6:.2f}M parameters ({MODELS[m].dtype}) at {path}")
-    profiles = {m: args.cost_profile or calibrate(p, MODELS[m].dtype, args, scratch / f"{m}.cost.json",
+        print(f"{m}: {params / 1e6:.2f}M parameters ({dtypes[m]}) at {path}")
+    profiles = {m: args.cost_profile or calibrate(p, dtypes[m], args, scratch / f"{m}.cost.json",
                                                   scratch / "calibrate.log") for m, (p, _) in paths.items()}
     if args.serve:
         results = [serve_row(r, paths[r.model][0], args, profiles[r.model], scratch) for r in rows]

