@@ -6,8 +6,9 @@
 //   A_qk[i, j] = scale sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])   (j <= i)
 //   [U | W]   = (I + diag(beta) A_kk)^-1 diag(beta) [V | K exp(G)]   (forward substitution)
 //   D = U - W S;   O = scale (Q exp(G)) S + A_qk D;   S = exp(G_last) S + (K exp(G_last - G))^T D
-// Every exp has a non-positive argument, so nothing overflows and nothing needs factoring; the
-// last chunk of a sequence is just shorter (no padding).
+// KDA's pairs are factored through reference tokens close enough that no factor leaves fp32's
+// normal range (pairs()); every other exp has a non-positive argument. The last chunk of a
+// sequence is just shorter (no padding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -25,10 +26,14 @@
 
 namespace {
 
+// exp(x) with x floored at -87: below it the result is under fp32's smallest normal, which the
+// products it scales flush to zero anyway (FlushDenormals); the floor keeps the vector exp off
+// its slow scalar path for such lanes (strong decays: 1.8x on the whole kernel)
+inline float exp_floor(float x) { return std::exp(std::max(x, -87.f)); }
+
 constexpr int64_t CHUNK = 64;
 constexpr int64_t BLK = 16;  // rows per block of the forward substitution
-constexpr int64_t PBLK = 8;  // rows per block of KDA's pair matrices: 8 against 16 halves the exps per pair
-                             // and channel on the diagonal blocks for more, smaller matmuls below (1.28x)
+constexpr int64_t PBLK = 8;  // rows per block of KDA's pair matrices (two halves of 4 inside, see pairs())
 
 
 struct Sizes {
@@ -40,11 +45,11 @@ struct Sizes {
 // (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
 // The work buffers of one thread, reused job after job and chunk after chunk.
 struct Scratch {
-  std::vector<float> k, q, kq, G, kout, A, A_raw, X, e, R, C;
+  std::vector<float> k, q, kq, G, kout, A, A_raw, X, e, R, C, D;
   explicit Scratch(const Sizes& s)
       : k(CHUNK * s.K), q(CHUNK * s.K), kq(2 * CHUNK * s.K), G(CHUNK * s.gK), kout(CHUNK * s.K),
         A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * (s.V + s.K)),
-        e(std::max(s.K, CHUNK)), R(2 * PBLK * s.K), C(CHUNK * s.K) {}
+        e(std::max(s.K, CHUNK)), R(2 * PBLK * s.K), C(CHUNK * s.K), D(3 * PBLK / 2 * s.K) {}
 };
 
 template <typename T>
@@ -53,45 +58,90 @@ struct Inputs {
   const float *g, *beta;
 };
 
-// A_kk and A_qk for a decay per channel, in blocks of PBLK rows. Inside a diagonal block one exp
-// per pair and channel; below it, for rows i of block [b0, b1) and columns j < b0, the decay
-// splits at token b0 - 1: exp(G_i - G_j) = exp(G_i - G_{b0-1}) exp(G_{b0-1} - G_j), both
-// factors <= 1, so the block is one matmul of scaled rows (a factor that underflows leaves a
-// product below fp32 resolution anyway).
+// A_kk and A_qk for a decay per channel, in blocks of PBLK rows, every decay factored so that
+// pairs are dot products (no exp per pair and channel). With each token's log decay clamped at
+// min_log_decay (-20), a factor exp(G_i - G_m) over at most two tokens' steps stays within
+// e^-40..e^40: a normal float whose products with keys never flush to zero.
+//   inside each half (<= 4 rows) of a diagonal block, with m its middle token:
+//     exp(G_i - G_j) = x_i / x_j,  x = exp(G - G_m)
+//   second half's rows against the first half's columns, split at the first half's last token r:
+//     exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both <= 1
+//   below the diagonal block [b0, b1), columns j < b0, split at token b0 - 1 the same way: one
+//   matmul of scaled rows. Those columns, C_j = k_j exp(G_{b0-1} - G_j), are carried from block
+//   to block: the older ones times exp(G_{b0-1} - G_{b0-1-PBLK}) (per channel, <= 1), the
+//   previous block's keys computed anew.
+// A factor that underflows leaves a product below fp32 resolution (both factors are <= 1).
+
+// rows [r0, r1) x columns [c0, c1) of A_kk and A_qk (pairs j <= i only) from scaled key and query
+// rows (kr, qr: row i at (i - r0) * K) and scaled key columns (kc: column j at (j - c0) * K)
+void dots(const Sizes& s, const float* kr, const float* qr, const float* kc, int64_t r0, int64_t r1, int64_t c0,
+          int64_t c1, float* A_kk, float* A_qk) {
+  const int64_t K = s.K;
+  for (int64_t i = r0; i < r1; ++i)
+    for (int64_t j = c0; j < std::min(c1, i + 1); ++j) {
+      const float *ki = kr + (i - r0) * K, *qi = qr + (i - r0) * K, *kj = kc + (j - c0) * K;
+      float kk = 0.f, qk = 0.f;
+#pragma omp simd reduction(+ : kk, qk)
+      for (int64_t d = 0; d < K; ++d) {
+        kk += ki[d] * kj[d];
+        qk += qi[d] * kj[d];
+      }
+      A_kk[i * CHUNK + j] = kk;
+      A_qk[i * CHUNK + j] = qk * s.scale;
+    }
+}
+
+// rows [r0, r1) of k and q times exp(G - G_ref) into kr, qr
+void scaled(const Sizes& s, const float* k, const float* q, const float* G, const float* Gref, int64_t r0,
+            int64_t r1, float* kr, float* qr) {
+  const int64_t K = s.K;
+  for (int64_t i = r0; i < r1; ++i)
+#pragma omp simd
+    for (int64_t d = 0; d < K; ++d) {
+      const float x = exp_floor(G[i * K + d] - Gref[d]);
+      kr[(i - r0) * K + d] = k[i * K + d] * x;
+      qr[(i - r0) * K + d] = q[i * K + d] * x;
+    }
+}
 
 void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64_t c, Scratch& w) {
-  const int64_t K = s.K;
-  float *A_kk = w.A.data(), *A_qk = w.A.data() + c * CHUNK, *e = w.e.data(), *R = w.R.data(), *C = w.C.data();
+  const int64_t K = s.K, HALF = PBLK / 2;
+  float *A_kk = w.A.data(), *A_qk = w.A.data() + c * CHUNK, *R = w.R.data(), *C = w.C.data();
+  float *kr = w.D.data(), *qr = kr + HALF * K, *kc = qr + HALF * K, *e = w.e.data();
   for (int64_t b0 = 0; b0 < c; b0 += PBLK) {
     const int64_t b1 = std::min(c, b0 + PBLK), n = b1 - b0;
-    for (int64_t i = b0; i < b1; ++i) {
-      const float *ki = k + i * K, *qi = q + i * K, *Gi = G + i * K;
-      for (int64_t j = b0; j <= i; ++j) {
-        const float *kj = k + j * K, *Gj = G + j * K;
-        float kk = 0.f, qk = 0.f;
+    for (int64_t a0 = b0; a0 < b1; a0 += HALF) {  // the halves: x = exp(G - G_m), pairs x_i / x_j
+      const int64_t a1 = std::min(b1, a0 + HALF);
+      const float* Gm = G + (a0 + (a1 - a0 - 1) / 2) * K;
+      scaled(s, k, q, G, Gm, a0, a1, kr, qr);
+      for (int64_t j = a0; j < a1; ++j)
 #pragma omp simd
-        for (int64_t d = 0; d < K; ++d) e[d] = std::exp(Gi[d] - Gj[d]) * kj[d];
-#pragma omp simd reduction(+ : kk, qk)
-        for (int64_t d = 0; d < K; ++d) {
-          kk += ki[d] * e[d];
-          qk += qi[d] * e[d];
-        }
-        A_kk[i * CHUNK + j] = kk;
-        A_qk[i * CHUNK + j] = qk * s.scale;
-      }
+        for (int64_t d = 0; d < K; ++d) kc[(j - a0) * K + d] = k[j * K + d] * std::exp(Gm[d] - G[j * K + d]);
+      dots(s, kr, qr, kc, a0, a1, a0, a1, A_kk, A_qk);
+    }
+    if (n > HALF) {  // second half's rows against the first half's columns, split at token b0 + HALF - 1
+      const int64_t r = b0 + HALF;
+      const float* Gr = G + (r - 1) * K;
+      scaled(s, k, q, G, Gr, r, b1, kr, qr);
+      for (int64_t j = b0; j < r; ++j)
+#pragma omp simd
+        for (int64_t d = 0; d < K; ++d) kc[(j - b0) * K + d] = k[j * K + d] * exp_floor(Gr[d] - G[j * K + d]);
+      dots(s, kr, qr, kc, r, b1, b0, r, A_kk, A_qk);
     }
     if (!b0) continue;
     const float* Gs = G + (b0 - 1) * K;
-    for (int64_t i = b0; i < b1; ++i)  // R: k rows then q rows, decayed to token b0 - 1
+    if (b0 > PBLK) {  // carried columns: decay them from token b0 - 1 - PBLK on to b0 - 1
+      const float* Gp = G + (b0 - 1 - PBLK) * K;
 #pragma omp simd
-      for (int64_t d = 0; d < K; ++d) {
-        const float x = std::exp(G[i * K + d] - Gs[d]);
-        R[(i - b0) * K + d] = k[i * K + d] * x;
-        R[(n + i - b0) * K + d] = q[i * K + d] * x;
-      }
-    for (int64_t j = 0; j < b0; ++j)
+      for (int64_t d = 0; d < K; ++d) e[d] = exp_floor(Gs[d] - Gp[d]);
+      for (int64_t j = 0; j < b0 - PBLK; ++j)
 #pragma omp simd
-      for (int64_t d = 0; d < K; ++d) C[j * K + d] = k[j * K + d] * std::exp(Gs[d] - G[j * K + d]);
+        for (int64_t d = 0; d < K; ++d) C[j * K + d] *= e[d];
+    }
+    for (int64_t j = b0 - PBLK; j < b0; ++j)  // the previous block's keys
+#pragma omp simd
+      for (int64_t d = 0; d < K; ++d) C[j * K + d] = k[j * K + d] * exp_floor(Gs[d] - G[j * K + d]);
+    scaled(s, k, q, G, Gs, b0, b1, R, R + n * K);  // R: k rows then q rows, decayed to token b0 - 1
     mm(false, true, n, b0, K, 1.f, R, K, C, K, 0.f, A_kk + b0 * CHUNK, CHUNK);
     mm(false, true, n, b0, K, s.scale, R + n * K, K, C, K, 0.f, A_qk + b0 * CHUNK, CHUNK);
   }
@@ -146,7 +196,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
     for (int64_t i = 0; i < c; ++i) {
       float *rk = A_kk + i * CHUNK, *rq = A_qk + i * CHUNK;
 #pragma omp simd
-      for (int64_t j = 0; j <= i; ++j) e[j] = std::exp(G[i] - G[j]);
+      for (int64_t j = 0; j <= i; ++j) e[j] = exp_floor(G[i] - G[j]);
 #pragma omp simd
       for (int64_t j = 0; j <= i; ++j) {
         rk[j] *= e[j];
@@ -160,7 +210,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
     const float *Gi = G + i * gK, *ki = k + i * K;
     float *xi = X + i * VK + V, *qi = qin + i * K, *oi = kout + i * K;
     if (gK == 1) {  // one decay per head: two exps per token
-      const float now = std::exp(Gi[0]), rest = std::exp(last[0] - Gi[0]);
+      const float now = exp_floor(Gi[0]), rest = exp_floor(last[0] - Gi[0]);
 #pragma omp simd
       for (int64_t d = 0; d < K; ++d) {
         xi[d] = ki[d] * now;
@@ -170,10 +220,10 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
     } else {
 #pragma omp simd
       for (int64_t d = 0; d < K; ++d) {
-        const float now = std::exp(Gi[d]);
+        const float now = exp_floor(Gi[d]);
         xi[d] = ki[d] * now;
         qi[d] *= now * s.scale;
-        oi[d] = ki[d] * std::exp(last[d] - Gi[d]);
+        oi[d] = ki[d] * exp_floor(last[d] - Gi[d]);
       }
     }
     std::fill(A_qk + i * CHUNK + i + 1, A_qk + i * CHUNK + c, 0.f);  // causal: A_qk is read whole below
@@ -201,7 +251,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
   mm(false, false, c, V, K, 1.f, qin, K, S, V, 0.f, oc, ldo);        // O = Q exp(G) scale S
   mm(false, false, c, V, c, 1.f, A_qk, CHUNK, X, VK, 1.f, oc, ldo);  //   + A_qk D
   for (int64_t r = 0; r < K; ++r) {  // S = exp(G_last) S + (K exp(G_last - G))^T D
-    const float decay = std::exp(last[gK == 1 ? 0 : r]);
+    const float decay = exp_floor(last[gK == 1 ? 0 : r]);
 #pragma omp simd
     for (int64_t d = 0; d < V; ++d) S[r * V + d] *= decay;
   }
@@ -262,6 +312,7 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const a
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "chunk_delta_rule: contiguous fp32 g, beta, state");
   const int64_t T = q.size(0), HV = v.size(1), K = q.size(2), V = v.size(2);
   TORCH_CHECK(HV % q.size(1) == 0, "chunk_delta_rule: value heads a multiple of key heads");
+  TORCH_CHECK(min_log_decay >= -20.0, "chunk_delta_rule: min_log_decay >= -20 (pairs() factors over it)");
   const Sizes s{q.size(1), HV, K, V, g.size(2), static_cast<float>(scale), static_cast<float>(min_log_decay)};
   auto cu_t = cu_seqlens.to(at::kLong).contiguous();
   std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());

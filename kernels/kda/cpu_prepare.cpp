@@ -60,12 +60,15 @@ void prepare(const at::Tensor& x, int64_t H, int64_t K, int64_t HV, int64_t V, i
       for (int64_t d = 0; d < HV * V; ++d) vp[t * HV * V + d] = as_float(vs[d]);
       gather_row(a, ap, t, u.data());
       gather_row(b, bp, t, z.data());
+      for (int64_t h = 0; h < HV; ++h) {  // per head: its gK decays, a vector loop when gK = K
+        const float Ah = A[h], *uh = u.data() + h * gK, *dh = db + h * gK;
+        float* gh = gp + (t * HV + h) * gK;
 #pragma omp simd
-      for (int64_t c = 0; c < HV * gK; ++c) {
-        const float w = u[c] + db[c];
-        u[c] = w > 20.f ? w : std::log1p(std::exp(w));
+        for (int64_t d = 0; d < gK; ++d) {
+          const float w = uh[d] + dh[d];
+          gh[d] = Ah * (w > 20.f ? w : std::log1p(std::exp(w)));
+        }
       }
-      for (int64_t c = 0; c < HV * gK; ++c) gp[t * HV * gK + c] = A[c / gK] * u[c];
 #pragma omp simd
       for (int64_t h = 0; h < HV; ++h) betap[t * HV + h] = 1.f / (1.f + std::exp(-z[h]));
     }
