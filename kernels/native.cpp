@@ -72,6 +72,8 @@ at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double e
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps, double offset, bool cast_first);
 std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_t k, bool renorm);
+std::tuple<at::Tensor, at::Tensor> topk_scores(const at::Tensor& scores, const at::Tensor& bias, int64_t k,
+                                                bool renorm, double scaling);
 bool gemm_bf16_supported();
 at::Tensor pack_bf16(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& bias);
@@ -97,6 +99,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rope", &rms_norm_rope, nogil, "RMS norm with an offset weight, then RoPE, of q or k heads (kernels/norm/cpu_norm.cpp)");
   m.def("add_rms_norm", &add_rms_norm, nogil, "the residual add and the next RMS norm in one pass (kernels/norm/cpu_norm.cpp)");
   m.def("topk_softmax", &topk_softmax, nogil, "softmax routing: top-k probabilities and experts (kernels/moe/cpu_moe.cpp)");
+  m.def("topk_scores", &topk_scores, nogil, "one-group routing: top-k experts by biased score (kernels/moe/cpu_moe.cpp)");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether this CPU runs the bf16 micro-kernels (kernels/gemm/cpu_gemm.cpp)");
   m.def("pack_bf16", &pack_bf16, nogil, "a bf16 weight [N, K] packed for linear_bf16 (kernels/gemm/cpu_gemm.cpp)");
   m.def("linear_bf16", &linear_bf16, nogil, "x @ w^T (+ bias) in bf16 over a packed weight (kernels/gemm/cpu_gemm.cpp)");

@@ -178,7 +178,7 @@ def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
     if ext is None:
         return None
     empty = weight.new_empty(0, dtype=torch.float32)
-    return ext.causal_conv1d(x.contiguous(), weight.float(), empty if bias is None else bias.float(), state,
+    return ext.causal_conv1d(_rows(x), _f32(weight), empty if bias is None else _f32(bias), state,
                              cu_seqlens, at_rows, silu)
 
 
@@ -202,7 +202,7 @@ def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
     if ext is None:
         return None
     empty = weight.new_empty(0, dtype=torch.float32)
-    return ext.conv_step(_dense(x), _f32(weight), empty if bias is None else _f32(bias),
+    return ext.conv_step(_rows(x), _f32(weight), empty if bias is None else _f32(bias),
                          state, slots, silu)
 
 
@@ -247,6 +247,15 @@ def topk_softmax(logits, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tens
     return None if ext is None else ext.topk_softmax(logits, k, renorm)
 
 
+def topk_scores(scores, bias, k: int, renorm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One-group routing by biased scores in one pass (models/layers/mlp.py's GroupedTopKRouter):
+    (weights [T, k] fp32, experts [T, k] int64) for fp32 scores [T, E], the experts chosen by
+    score + bias, weighted by score; None where the kernel cannot run."""
+    ok = scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+    ext = extension() if ok and scores.stride(1) == 1 else None
+    return None if ext is None else ext.topk_scores(scores, _f32(bias), k, renorm, scaling)
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """t as contiguous fp32; t itself when it already is (no op dispatched: these wrappers run
     hundreds of times a decode step). A parameter's copy (a bf16 norm or conv weight) is made
@@ -260,6 +269,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [R, C] as the kernels read rows: unit stride in C, rows any stride apart (a column range
+    of a wider projection is read in place)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _routable(t: torch.Tensor) -> bool:

@@ -10,7 +10,7 @@ from kernels.attention import write_kv
 from kernels.kda import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
-from models.layers.linear import Linear, fused_linear
+from models.layers.linear import Linear, fused_linear, joined
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
@@ -44,7 +44,7 @@ class KimiDeltaAttention(nn.Module):
         buf = batch.memory.state[self.state_idx]
         q, k, v, f, b, g = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                                         self.g_a_proj)
-        qkv = torch.cat([q, k, v], -1)  # [T, 3*H*D]
+        qkv = joined(q, k, v)  # [T, 3*H*D], a view of the projection's columns
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
         qkv = short_conv(batch, buf["conv"], qkv, w, None)
         t, hd = x.shape[0], (self.h, self.d, self.h, self.d)

@@ -63,7 +63,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z = qkvz.split([2 * h * dk + hv * dv, hv * dv], -1)  # [T, 2*H*K + HV*V], [T, HV*V]
         b, a = ba.view(t, 2, 1, hv).unbind(1)  # [T, 1, HV] each
         w = self.conv1d.weight[:, 0]  # [2*H*K + HV*V, W]
-        qkv = short_conv(batch, buf["conv"], qkv.contiguous(), w, None)
+        qkv = short_conv(batch, buf["conv"], qkv, w, None)  # read in place: rows of the projection
         # fp32 q, k [T, H, K] l2-normalised, v [T, HV, V], g [T, HV, 1], beta [T, HV]
         q, k, v, g, beta = delta_inputs(qkv, (h, dk, hv, dv), a, self.A_log, self.dt_bias, b)
         o = delta_rule(batch, buf["recurrent"], "gdn", q, k, v, g.view(t, hv), beta)  # [T, HV, V]

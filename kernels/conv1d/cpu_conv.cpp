@@ -16,16 +16,17 @@
 
 namespace {
 
-// input u of sequence n at offset r from its start (r may be negative, down to -(W-1): the state)
+// input u of sequence n at offset r from its start (r may be negative, down to -(W-1): the state);
+// x's rows are ld apart
 template <typename T>
-inline float input(const T* x, const float* state, int64_t D, int64_t W, int64_t start, int64_t n, int64_t r,
-                   int64_t d) {
-  return r >= 0 ? as_float(x[(start + r) * D + d]) : state[(n * D + d) * (W - 1) + (W - 1 + r)];
+inline float input(const T* x, int64_t ld, const float* state, int64_t D, int64_t W, int64_t start, int64_t n,
+                   int64_t r, int64_t d) {
+  return r >= 0 ? as_float(x[(start + r) * ld + d]) : state[(n * D + d) * (W - 1) + (W - 1 + r)];
 }
 
 template <typename T>
-void conv(const T* x, const float* wT, const float* bias, const float* state, const std::vector<int64_t>& cu,
-          int64_t D, int64_t W, bool silu, T* y) {
+void conv(const T* x, int64_t ld, const float* wT, const float* bias, const float* state,
+          const std::vector<int64_t>& cu, int64_t D, int64_t W, bool silu, T* y) {
   const int64_t N = static_cast<int64_t>(cu.size()) - 1, T_ = cu.back();
   std::vector<int64_t> seq_of(T_);
   for (int64_t n = 0; n < N; ++n) std::fill(seq_of.begin() + cu[n], seq_of.begin() + cu[n + 1], n);
@@ -41,11 +42,11 @@ void conv(const T* x, const float* wT, const float* bias, const float* state, co
         const int64_t src = r - (W - 1) + w;
         const float* wr = wT + w * D;
         if (src >= 0) {
-          const T* xr = x + (cu[n] + src) * D;
+          const T* xr = x + (cu[n] + src) * ld;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) acc[d] += wr[d] * as_float(xr[d]);
         } else {
-          for (int64_t d = 0; d < D; ++d) acc[d] += wr[d] * input(x, state, D, W, cu[n], n, src, d);
+          for (int64_t d = 0; d < D; ++d) acc[d] += wr[d] * input(x, ld, state, D, W, cu[n], n, src, d);
         }
       }
       T* yr = y + t * D;
@@ -62,14 +63,14 @@ void conv(const T* x, const float* wT, const float* bias, const float* state, co
 
 }  // namespace
 
-// x [T, D] (fp32 or bf16, contiguous); weight [D, W] fp32; bias [D] fp32 or empty; state
+// x [T, D] (fp32 or bf16, unit stride in D: a column range of a wider projection is read in place); weight [D, W] fp32; bias [D] fp32 or empty; state
 // [N, D, W-1] fp32 contiguous (each sequence's initial conv state); cu_seqlens [N+1] int64;
 // at [C, 2] int64 rows (sequence, tokens of it consumed). Returns (y [T, D] in x's dtype,
 // states [N + C, D, W-1] fp32: each sequence's final conv state, then the state at each row of at).
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,
                                                  const at::Tensor& at_rows, bool silu) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "causal_conv1d: contiguous x [T, D]");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "causal_conv1d: x [T, D] with unit stride in D");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && state.scalar_type() == at::kFloat && state.is_contiguous(),
               "causal_conv1d: fp32 weight and contiguous fp32 state");
   const int64_t D = x.size(1), W = weight.size(1);
@@ -79,9 +80,10 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
   TORCH_CHECK(state.size(0) == N && state.size(1) == D && state.size(2) == W - 1, "state [N, D, W-1]");
   auto wT = weight.t().contiguous();  // [W, D]
   auto b = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
-  auto y = at::empty_like(x);
+  auto y = at::empty({x.size(0), D}, x.options());
+  const int64_t ld = x.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "causal_conv1d", [&] {
-    conv<scalar_t>(x.data_ptr<scalar_t>(), wT.data_ptr<float>(), bias.numel() ? b.data_ptr<float>() : nullptr,
+    conv<scalar_t>(x.data_ptr<scalar_t>(), ld, wT.data_ptr<float>(), bias.numel() ? b.data_ptr<float>() : nullptr,
                    state.data_ptr<float>(), cu, D, W, silu, y.data_ptr<scalar_t>());
   });
   auto rows = at_rows.to(at::kLong).contiguous();
@@ -97,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
       const int64_t len = i < N ? cu[n + 1] - cu[n] : rp[2 * (i - N) + 1];
       for (int64_t d = 0; d < D; ++d)
         for (int64_t j = 0; j < W - 1; ++j)
-          sp[(i * D + d) * (W - 1) + j] = input(xp, s0, D, W, cu[n], n, len - (W - 1) + j, d);
+          sp[(i * D + d) * (W - 1) + j] = input(xp, ld, s0, D, W, cu[n], n, len - (W - 1) + j, d);
     }
   });
   return {y, states};
@@ -106,13 +108,13 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
 namespace {
 
 template <typename T, typename S>
-void conv_step_impl(const T* x, const float* w, const float* bias, S* state, const int64_t* slots, int64_t N,
-                    int64_t D, int64_t W, bool silu, T* y) {
+void conv_step_impl(const T* x, int64_t ld, const float* w, const float* bias, S* state, const int64_t* slots,
+                    int64_t N, int64_t D, int64_t W, bool silu, T* y) {
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t n = begin; n < end; ++n) {
       S* st = state + slots[n] * D * (W - 1);
-      const T* xn = x + n * D;
+      const T* xn = x + n * ld;
       T* yn = y + n * D;
       if (W == 4) {  // the common width, channels as vectors (strided state rows, gathered)
 #pragma omp simd
@@ -152,27 +154,28 @@ void conv_step_impl(const T* x, const float* w, const float* bias, S* state, con
 }  // namespace
 
 // One decode token per sequence with the conv states advanced in place: x [N, D] (fp32 or bf16,
-// contiguous); weight [D, W] fp32; bias [D] fp32 or empty; state [slots, D, W-1] (fp32 or bf16,
+// unit stride in D); weight [D, W] fp32; bias [D] fp32 or empty; state [slots, D, W-1] (fp32 or bf16,
 // contiguous) read and written at rows `slots` [N] int64. Returns y [N, D] in x's dtype; the
 // contract of kernels/conv1d/torch.py's causal_conv1d_update.
 at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
                      const at::Tensor& slots, bool silu) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "conv_step: contiguous x [N, D]");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "conv_step: x [N, D] with unit stride in D");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "conv_step: contiguous fp32 weight");
   TORCH_CHECK(state.is_contiguous() && state.dim() == 3, "conv_step: contiguous state [slots, D, W-1]");
   const int64_t N = x.size(0), D = x.size(1), W = weight.size(1);
   TORCH_CHECK(weight.size(0) == D && state.size(1) == D && state.size(2) == W - 1, "conv_step: state [slots, D, W-1]");
   auto sl = slots.to(at::kLong).contiguous();
-  auto y = at::empty_like(x);
+  auto y = at::empty({N, D}, x.options());
+  const int64_t ld = x.stride(0);
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "conv_step", [&] {
     using T = scalar_t;
     if (state.scalar_type() == at::kFloat) {
-      conv_step_impl<T, float>(x.data_ptr<T>(), weight.data_ptr<float>(), bp, state.data_ptr<float>(),
+      conv_step_impl<T, float>(x.data_ptr<T>(), ld, weight.data_ptr<float>(), bp, state.data_ptr<float>(),
                                sl.data_ptr<int64_t>(), N, D, W, silu, y.data_ptr<T>());
     } else {
       TORCH_CHECK(state.scalar_type() == at::kBFloat16, "conv_step: fp32 or bf16 state");
-      conv_step_impl<T, c10::BFloat16>(x.data_ptr<T>(), weight.data_ptr<float>(), bp,
+      conv_step_impl<T, c10::BFloat16>(x.data_ptr<T>(), ld, weight.data_ptr<float>(), bp,
                                        state.data_ptr<c10::BFloat16>(), sl.data_ptr<int64_t>(), N, D, W, silu,
                                        y.data_ptr<T>());
     }

@@ -122,3 +122,54 @@ std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_
   });
   return {w, idx};
 }
+
+// a / b rounded once, as torch divides: the build's -ffast-math would multiply by a rounded reciprocal
+// (p / p then is not 1); GCC does not inline across the differing options
+#pragma GCC push_options
+#pragma GCC optimize("no-reciprocal-math")
+[[gnu::noinline]] static float divide(float a, float b) { return a / b; }
+#pragma GCC pop_options
+
+// Routing by biased scores with one expert group (Kimi Linear, DeepSeek-V3 style, n_group = 1): per
+// token, the k experts of largest scores [T, E] (fp32, the router's sigmoids) + bias [E] in
+// descending order (the lower id first among equal ones); weights = their scores, divided by
+// their sum (+ 1e-20) when `renorm`, times `scaling`. Returns (weights [T, k] fp32, experts [T, k]
+// int64).
+std::tuple<at::Tensor, at::Tensor> topk_scores(const at::Tensor& scores, const at::Tensor& bias, int64_t k,
+                                                bool renorm, double scaling) {
+  TORCH_CHECK(scores.dim() == 2 && scores.stride(1) == 1 && scores.scalar_type() == at::kFloat,
+              "topk_scores: fp32 scores [T, E] with unit stride in E");
+  const int64_t T = scores.size(0), E = scores.size(1);
+  TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == E,
+              "topk_scores: contiguous fp32 bias [E]");
+  TORCH_CHECK(k >= 1 && k <= E, "topk_scores: 1 <= k <= E");
+  auto w = at::empty({T, k}, scores.options());
+  auto idx = at::empty({T, k}, scores.options().dtype(at::kLong));
+  const float *lp = scores.data_ptr<float>(), *bp = bias.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t ld = scores.stride(0);
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<char> taken(E);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* p = lp + t * ld;
+      std::fill(taken.begin(), taken.end(), 0);
+      float chosen = 0.f;
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (!taken[e] && (best < 0 || p[e] + bp[e] > p[best] + bp[best])) best = e;
+        taken[best] = 1;
+        wp[t * k + j] = p[best];
+        ip[t * k + j] = best;
+        chosen += p[best];
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        float& w_j = wp[t * k + j];
+        w_j = (renorm ? divide(w_j, chosen + 1e-20f) : w_j) * scale;
+      }
+    }
+  });
+  return {w, idx};
+}

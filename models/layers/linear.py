@@ -93,3 +93,15 @@ def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ..
         return tuple(lin(x) for lin in linears)
     f = fuse(linears)
     return linear(x, f.weight, f.bias).split(f.sizes, -1)
+
+
+def joined(*parts: torch.Tensor) -> torch.Tensor:
+    """parts [T, n_i] side by side as one [T, sum n_i]: a view where they are consecutive column
+    ranges of one tensor (outputs of fused_linear), else a copy (torch.cat)."""
+    a = parts[0]
+    same = all(p.dim() == 2 and p.stride() == a.stride() and p.shape[0] == a.shape[0] and
+               p.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() for p in parts)
+    if same and a.stride(1) == 1 and all(b.storage_offset() == p.storage_offset() + p.shape[1]
+                                         for p, b in zip(parts, parts[1:])):
+        return a.as_strided((a.shape[0], sum(p.shape[1] for p in parts)), a.stride(), a.storage_offset())
+    return torch.cat(parts, -1)

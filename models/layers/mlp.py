@@ -181,6 +181,10 @@ class GroupedTopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        if self.groups == 1:
+            routed = native.topk_scores(scores, self.e_score_correction_bias, self.top_k, self.renorm, self.scaling)
+            if routed is not None:
+                return routed[1], routed[0]
         choice = scores + self.e_score_correction_bias.float()
         if self.groups > 1:
             grouped = choice.view(x.shape[0], self.groups, -1)

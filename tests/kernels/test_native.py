@@ -194,6 +194,54 @@ def test_conv_kernel_equals_torch_conv(dtype, activation, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_kernels_read_a_column_range_in_place(dtype):
+    """Prefill and decode conv kernels given x as a column range of a wider tensor (rows
+    further apart than the range is wide: a projection's q/k/v columns) give, bit for bit,
+    what they give on its contiguous copy."""
+    gen = torch.Generator().manual_seed(6)
+    D, W = 24, 4
+    wide = torch.randn(46, D + 13, generator=gen).to(dtype)
+    x = wide[:, 5:5 + D]
+    assert not x.is_contiguous()
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    state, cu, at = torch.randn(2, D, W - 1, generator=gen), torch.tensor([0, 40, 46]), torch.tensor([[0, 2], [1, 6]])
+    got, want = (native.causal_conv1d(t, weight, bias, state, cu, at, True) for t in (x, x.contiguous()))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    slots, states = torch.tensor([3, 0]), torch.randn(4, D, W - 1, generator=gen)
+    after = [states.clone(), states.clone()]
+    got, want = (native.conv_step(t, weight, bias, s, slots, True) for t, s in zip((x[:2], x[:2].contiguous()), after))
+    assert torch.equal(got, want) and torch.equal(after[0], after[1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_sigmoid_routing_equals_the_torch_router(renorm, top_k, monkeypatch):
+    """The compiled one-group routing chooses the torch router's experts, in its order
+    (by score + correction bias, the bias able to reorder them), with its weights to the bit."""
+    from types import SimpleNamespace
+
+    from models.layers.mlp import GroupedTopKRouter
+
+    cfg = SimpleNamespace(num_local_experts=8, hidden_size=32, num_experts_per_tok=top_k, n_group=1, topk_group=1,
+                          norm_topk_prob=renorm, routed_scaling_factor=2.5)
+    router = GroupedTopKRouter(cfg)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(8, 32, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(8, generator=gen) * 0.3)
+    x = torch.randn(50, 32, generator=gen).bfloat16()
+    calls = []
+    real = native.topk_scores
+    monkeypatch.setattr(native, "topk_scores", lambda *a: calls.append(1) or real(*a))
+    idx, w = router(x)
+    monkeypatch.setattr(native, "topk_scores", lambda *a: None)
+    want_idx, want_w = router(x)
+    assert calls and torch.equal(idx, want_idx) and torch.equal(w, want_w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("blas", [True, False], ids=["blas", "loops"])
 def test_ssd_kernel_equals_torch_ssd(dtype, blas, monkeypatch):
     """The compiled Mamba2 SSD gives the torch chunk path's outputs, final and checkpoint states

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from models.layers.linear import FUSED, fused_linear
+from models.layers.linear import FUSED, fused_linear, joined
 from models.layers.mlp import STACKS, GatedMLP, run_experts
 
 
@@ -71,3 +71,15 @@ def test_experts_stacked_weights_are_not_copied_again():
         assert experts[2].up_proj.weight.data_ptr() == stack[2, 24:].data_ptr()
         torch.testing.assert_close(y, experts[2].down_proj(torch.nn.functional.silu(x @ stack[2, :24].T)
                                                             * (x @ stack[2, 24:].T)))
+
+
+def test_joined_is_a_view_of_consecutive_columns_else_a_copy():
+    """Consecutive outputs of fused_linear join as a view of their columns (no copy); others, or
+    the same ones out of order, are concatenated; both equal torch.cat."""
+    lins = linears([8, 16, 4], torch.float32)
+    a, b, c = fused_linear(torch.randn(5, 64), *lins)
+    ab = joined(a, b)
+    assert ab.data_ptr() == a.data_ptr() and ab.stride() == a.stride() and torch.equal(ab, torch.cat([a, b], -1))
+    for parts in ((b, a), (a, c), (a.clone(), b)):
+        got = joined(*parts)
+        assert got.is_contiguous() and torch.equal(got, torch.cat(parts, -1))
