@@ -14,6 +14,7 @@
 #include "../widen.h"
 
 #include <algorithm>
+#include <map>
 #include <array>
 #include <bit>
 #include <cmath>
@@ -179,21 +180,35 @@ void numerators_bf16(const float* S, c10::BFloat16* P, int64_t M, int64_t rows, 
 
 // bf16 with oneDNN's micro-kernels (AMX): first the keys and values of every (sequence, KV head)
 // are laid out once per block of AKB keys, K^T and V each in the VNNI layout the micro-kernel
-// reads (zero past the sequence's keys); then each job's scores and value products run on the
-// packed blocks, queries AM rows per call, the softmax in fp32 as above and its numerators
-// rounded to bf16 for the value product (as flash attention rounds them).
+// reads (zero past the sequence's keys), one packed block for all the sequences whose block
+// reads the same pages (a cached prefix shared by the batch is packed once, not once per
+// sequence); then each job's scores and value products run on the packed blocks, queries AM
+// rows per call, the softmax in fp32 as above and its numerators rounded to bf16 for the value
+// product (as flash attention rounds them).
 void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
                  const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
   using T = c10::BFloat16;
   namespace cpublas = at::native::cpublas;
   const Paged<T> P(q, kc, vc, pages);
   const int64_t H = P.H, Dk = P.Dk, Hkv = P.Hkv, R = P.R, N = static_cast<int64_t>(lens.size());
-  std::vector<int64_t> base(N * Hkv + 1, 0);  // first packed block of (n, g)
-  std::vector<std::array<int64_t, 3>> blocks;  // (n, g, first key)
+  // Blocks of AKB keys, each packed once: sequences that share a block's pages (a cached prefix)
+  // and its key count share the packed block. slot[base[n * Hkv + g] + k0 / AKB] is its index.
+  std::vector<int64_t> base(N * Hkv + 1, 0), slot;
+  std::vector<std::array<int64_t, 3>> blocks;  // (n, g, first key) of each packed block
+  std::map<std::vector<int64_t>, int64_t> seen;  // (g, keys, pages of the block) -> its index
+  std::vector<int64_t> id;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t g = 0; g < Hkv; ++g) {
-      for (int64_t k0 = 0; k0 < lens[n]; k0 += AKB) blocks.push_back({n, g, k0});
-      base[n * Hkv + g + 1] = static_cast<int64_t>(blocks.size());
+      for (int64_t k0 = 0; k0 < lens[n]; k0 += AKB) {
+        const int64_t cnt = std::min(AKB, lens[n] - k0);
+        id.assign({g, cnt, k0 % P.page_size});
+        for (int64_t p = k0 / P.page_size; p <= (k0 + cnt - 1) / P.page_size; ++p)
+          id.push_back(P.pp[n * P.width + p]);
+        const auto [it, fresh] = seen.try_emplace(id, static_cast<int64_t>(blocks.size()));
+        if (fresh) blocks.push_back({n, g, k0});
+        slot.push_back(it->second);
+      }
+      base[n * Hkv + g + 1] = static_cast<int64_t>(slot.size());
     }
   const int64_t B = static_cast<int64_t>(blocks.size());
   // The micro-kernel's B layout is [K / 2][N][2] (pairs along K): K^T's is the transpose of the key
@@ -246,7 +261,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
         }
       const int64_t last = pos[rows - 1], first = base[job.n * Hkv + job.g];
       for (int64_t k0 = 0; k0 <= last; k0 += AKB) {
-        const int64_t kb = std::min(AKB, last + 1 - k0), blk = first + k0 / AKB;
+        const int64_t kb = std::min(AKB, last + 1 - k0), blk = slot[first + k0 / AKB];
         for (int64_t m0 = 0; m0 < M; m0 += AM)
           cpublas::brgemm(std::min(AM, M - m0), AKB, Dk, Dk, AKB, AKB, false, Q.data() + m0 * Dk,
                           reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB);

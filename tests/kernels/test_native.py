@@ -214,6 +214,35 @@ def test_conv_kernels_read_a_column_range_in_place(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_heads,dk,dv", [(2, 64, 64), (1, 160, 128)], ids=["gqa", "mla"])
+def test_prefill_over_shared_pages_equals_private_copies(kv_heads, dk, dv):
+    """Sequences whose page tables share prefix pages (packed once for all of them on CPUs with
+    AMX) get, bit for bit, what they get when each reads its own copy of those pages, with key
+    counts that end inside, at and past the shared pages, and MLA's values read from the keys."""
+    gen = torch.Generator().manual_seed(8)
+    ps, shared, lens, new = 16, 10, [150, 160, 200, 300], [6, 20, 64, 1]  # 128-key blocks: the first shared
+    own = [(n - 1) // ps + 1 - shared for n in lens]  # pages past the shared ones
+    k = torch.randn(shared + sum(own), ps, kv_heads, dk, generator=gen).bfloat16()
+    v = k if dv < dk else torch.randn(k.shape[:3] + (dv,), generator=gen).bfloat16()
+    starts = torch.tensor([0, *own]).cumsum(0)[:-1] + shared
+    table = [list(range(shared)) + list(range(s, s + o)) for s, o in zip(starts.tolist(), own)]
+    copies = [[i * 100 + p for p in range(len(t))] for i, t in enumerate(table)]  # each its own pages
+    k2 = torch.zeros(400, ps, kv_heads, dk).bfloat16()
+    v2 = k2 if v is k else torch.zeros(400, ps, kv_heads, dv).bfloat16()
+    for t, c in zip(table, copies):
+        k2[c] = k[t]
+        if v is not k:
+            v2[c] = v[t]
+    width = max(len(t) for t in table)
+    pad = lambda rows: torch.tensor([r + [-1] * (width - len(r)) for r in rows])  # noqa: E731
+    q = torch.randn(sum(new), 4, dk, generator=gen).bfloat16()
+    cu, seq_lens = torch.tensor([0, *new]).cumsum(0), torch.tensor(lens)
+    got = native.paged_prefill(q, k, v, pad(table), cu, seq_lens, dk**-0.5, dv)
+    want = native.paged_prefill(q, k2, v2, pad(copies), cu, seq_lens, dk**-0.5, dv)
+    assert torch.equal(got, want)
+
+
+@needs_kernel
 @pytest.mark.parametrize("renorm", [True, False])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_sigmoid_routing_equals_the_torch_router(renorm, top_k, monkeypatch):
