@@ -18,12 +18,13 @@ from kernels import native
 from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
 from models.loader import load_model
-from scheduler import CostModel, Executor, Req, Scheduler, policy_class
+from scheduler import CostModel, Drift, Executor, Req, Scheduler, policy_class
 from state_cache import PrefillFlops, StateRadixCache, make_pools, plan_memory
 
 log = logging.getLogger(__name__)
 # the shipped step-time profiles of the built-in model on CPU, by dtype (scheduler/profiles/)
 BUILTIN_CPU = {torch.float32: "builtin_cpu", torch.bfloat16: "builtin_cpu_bf16"}
+DRIFT_LIMIT = 2.0  # rounds off their cost profile's predictions by more than this factor get a warning
 Prompt = Union[str, Sequence[int], dict]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": ...}
 
 
@@ -83,6 +84,7 @@ class Engine:
         self.requests: dict[str, tuple[Req, Detokenizer]] = {}
         self._ids = itertools.count()
         self.threads: ThreadGovernor | None = None  # made at the first round, on the thread that steps
+        self.drift: Drift | None = Drift()  # None once it has warned
         self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
                                             else set())
         log.info("model %s (%s, %s), policy %s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
@@ -91,10 +93,12 @@ class Engine:
     def _cost_model(self) -> CostModel:
         """The configured profile; for the built-in model on CPU the shipped one of its dtype; else,
         if the policy reads it, one fitted now (otherwise an all-zero model: predictions unused)."""
+        self.profile_name = self.config.cost_profile or "fitted at start-up"
         if self.config.cost_profile:
             return CostModel.load(self.config.cost_profile)
         if self.config.model == "builtin" and self.config.device == "cpu" and self.model_config.dtype in BUILTIN_CPU:
-            return CostModel.load(BUILTIN_CPU[self.model_config.dtype])
+            self.profile_name = BUILTIN_CPU[self.model_config.dtype]
+            return CostModel.load(self.profile_name)
         if not policy_class(self.config.scheduler.policy).uses_cost_model:
             return CostModel()
         from hybridserve.calibrate import calibrate
@@ -172,9 +176,23 @@ class Engine:
             return ended
         self._govern_threads()
         out = self.executor.run(batch)
+        self._check_drift(batch.predicted, out.elapsed)
         changed = self.scheduler.process(batch, out)
         extras = dict(zip(map(id, batch.sampling_reqs), out.extras or []))
         return ended + [self._output(r, extras.get(id(r))) for r in changed]
+
+    def _check_drift(self, predicted: float, elapsed: float) -> None:
+        """Warn once when rounds take more than DRIFT_LIMIT times, or less than 1 / DRIFT_LIMIT of,
+        what the cost profile predicts (median of recent rounds): a profile fitted before a
+        kernel or machine change makes the serial policies size rounds wrongly."""
+        if self.drift is None:
+            return
+        ratio = self.drift.observe(predicted, elapsed)
+        if ratio is not None and not 1 / DRIFT_LIMIT <= ratio <= DRIFT_LIMIT:
+            log.warning("cost profile %s: rounds take %.2fx its predictions (median of the last %d); the serial "
+                        "policies size rounds from it: refit it with `hybridserve calibrate` (docs/scheduler.md)",
+                        self.profile_name, ratio, len(self.drift.ratios))
+            self.drift = None
 
     def _govern_threads(self) -> None:
         if not self.config.adaptive_threads or torch.device(self.config.device).type != "cpu":

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
@@ -142,3 +144,19 @@ class CostModel:
                 known = sorted(p.stem for p in PROFILES.glob("*.json"))
                 raise ValueError(f"profile {name_or_path!r} not found; shipped: {known}")
         return cls.from_json(path)
+
+
+class Drift:
+    """Whether a cost profile still describes the rounds it plans: the median of measured over
+    predicted seconds across the last `window` rounds predicted at `min_predicted` s or more
+    (shorter ones are mostly fixed costs the profile's c0 averages)."""
+
+    def __init__(self, window: int = 64, min_predicted: float = 2e-3):
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.min_predicted = min_predicted
+
+    def observe(self, predicted: float, elapsed: float) -> float | None:
+        """Record one round; the median ratio once `window` rounds are recorded, else None."""
+        if predicted >= self.min_predicted and elapsed > 0:
+            self.ratios.append(elapsed / predicted)
+        return statistics.median(self.ratios) if len(self.ratios) == self.ratios.maxlen else None

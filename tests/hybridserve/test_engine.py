@@ -5,6 +5,7 @@ import torch
 
 from hybridserve import LLM, Engine
 from hybridserve.sampling import SamplingParams
+from scheduler import CostModel
 from tests.models import harness
 from tests.models.test_kimi_linear import hf_mod as kimi_mod
 from tests.models.test_kimi_linear import tiny as kimi_tiny
@@ -130,3 +131,18 @@ def test_bad_requests_are_refused_and_nothing_leaks(tiny_model, profile):
     eng.scheduler.flush_cache()
     assert eng.scheduler.cache.kv_pool.num_free == eng.plan.num_pages
     assert eng.scheduler.cache.state_pool.num_free_active == eng.plan.num_active
+
+
+def test_a_profile_far_off_the_measured_rounds_is_warned_about_once(tmp_path, caplog):
+    """An engine whose cost profile predicts rounds 100x too slow (a profile fitted before a
+    kernel change, say) logs one warning naming the profile once 64 rounds are measured, and
+    none again."""
+    path = tmp_path / "stale.json"
+    CostModel(c0=0.5, c_dec=0.5).to_json(path)
+    eng = Engine(cost_profile=str(path), memory_gb=0.05)
+    eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), rid="a")
+    with caplog.at_level("WARNING", logger="hybridserve.engine"):
+        while eng.has_unfinished():
+            eng.step()
+    warned = [r.getMessage() for r in caplog.records if "its predictions" in r.getMessage()]
+    assert len(warned) == 1 and str(path) in warned[0] and "hybridserve calibrate" in warned[0]

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from scheduler import BatchShape, CostModel
+from scheduler import BatchShape, CostModel, Drift
 from scheduler.cost import COEFFS
 
 
@@ -63,3 +63,13 @@ def test_bad_profiles_are_named(tmp_path):
         CostModel.load(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="kimi_linear_48b_h200"):
         CostModel.load("no_such_profile")
+
+
+def test_drift_is_the_median_ratio_of_a_full_window_of_long_enough_rounds():
+    """Drift answers only once `window` rounds predicted at min_predicted or more are recorded
+    (shorter ones are skipped), then the median measured / predicted over the last `window`."""
+    d = Drift(window=3, min_predicted=0.01)
+    assert d.observe(0.02, 0.04) is None and d.observe(0.001, 1.0) is None  # the short one is not counted
+    assert d.observe(0.02, 0.02) is None
+    assert d.observe(0.02, 0.10) == 2.0  # ratios 2, 1, 5
+    assert d.observe(0.02, 0.10) == 5.0  # 1, 5, 5: the first left the window
