@@ -93,15 +93,21 @@ class Engine:
         log.info("model %s (%s, %s), policy %s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
                  config.scheduler.policy, self.plan.report())
 
+    def _profile_name(self) -> str | None:
+        """The profile the engine loads: the configured one, else for the built-in model on CPU
+        the shipped one of its dtype; None: one is fitted at start-up (or none is needed)."""
+        if self.config.cost_profile:
+            return self.config.cost_profile
+        if self.config.model == "builtin" and self.config.device == "cpu":
+            return BUILTIN_CPU.get(self.model_config.dtype)
+        return None
+
     def _cost_model(self) -> CostModel:
         """The configured profile; for the built-in model on CPU the shipped one of its dtype; else,
         if the policy reads it, one fitted now (otherwise an all-zero model: predictions unused)."""
-        self.profile_name = self.config.cost_profile or "fitted at start-up"
-        if self.config.cost_profile:
-            return CostModel.load(self.config.cost_profile)
-        if self.config.model == "builtin" and self.config.device == "cpu" and self.model_config.dtype in BUILTIN_CPU:
-            self.profile_name = BUILTIN_CPU[self.model_config.dtype]
-            return CostModel.load(self.profile_name)
+        name = self._profile_name()
+        if name:
+            return CostModel.load(name)
         if not policy_class(self.config.scheduler.policy).uses_cost_model:
             return CostModel()
         from hybridserve.calibrate import calibrate
@@ -194,7 +200,7 @@ class Engine:
         if ratio is not None and not 1 / DRIFT_LIMIT <= ratio <= DRIFT_LIMIT:
             log.warning("cost profile %s: rounds take %.2fx its predictions (median of the last %d); the serial "
                         "policies size rounds from it: refit it with `hybridserve calibrate` (docs/scheduler.md)",
-                        self.profile_name, ratio, len(self.drift.ratios))
+                        self._profile_name() or "fitted at start-up", ratio, len(self.drift.ratios))
             self.drift = None
 
     def _govern_threads(self) -> None:

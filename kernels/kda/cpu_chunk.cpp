@@ -91,6 +91,14 @@ void dots(const Sizes& s, const float* kr, const float* qr, const float* kc, int
     }
 }
 
+// keys [j0, j1) times exp(G_ref - G) into out (key j at (j - j0) * K)
+void columns(const Sizes& s, const float* k, const float* G, const float* Gref, int64_t j0, int64_t j1, float* out) {
+  const int64_t K = s.K;
+  for (int64_t j = j0; j < j1; ++j)
+#pragma omp simd
+    for (int64_t d = 0; d < K; ++d) out[(j - j0) * K + d] = k[j * K + d] * exp_floor(Gref[d] - G[j * K + d]);
+}
+
 // rows [r0, r1) of k and q times exp(G - G_ref) into kr, qr
 void scaled(const Sizes& s, const float* k, const float* q, const float* G, const float* Gref, int64_t r0,
             int64_t r1, float* kr, float* qr) {
@@ -114,18 +122,14 @@ void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64
       const int64_t a1 = std::min(b1, a0 + HALF);
       const float* Gm = G + (a0 + (a1 - a0 - 1) / 2) * K;
       scaled(s, k, q, G, Gm, a0, a1, kr, qr);
-      for (int64_t j = a0; j < a1; ++j)
-#pragma omp simd
-        for (int64_t d = 0; d < K; ++d) kc[(j - a0) * K + d] = k[j * K + d] * std::exp(Gm[d] - G[j * K + d]);
+      columns(s, k, G, Gm, a0, a1, kc);
       dots(s, kr, qr, kc, a0, a1, a0, a1, A_kk, A_qk);
     }
     if (n > HALF) {  // second half's rows against the first half's columns, split at token b0 + HALF - 1
       const int64_t r = b0 + HALF;
       const float* Gr = G + (r - 1) * K;
       scaled(s, k, q, G, Gr, r, b1, kr, qr);
-      for (int64_t j = b0; j < r; ++j)
-#pragma omp simd
-        for (int64_t d = 0; d < K; ++d) kc[(j - b0) * K + d] = k[j * K + d] * exp_floor(Gr[d] - G[j * K + d]);
+      columns(s, k, G, Gr, b0, r, kc);
       dots(s, kr, qr, kc, r, b1, b0, r, A_kk, A_qk);
     }
     if (!b0) continue;
@@ -138,9 +142,7 @@ void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64
 #pragma omp simd
         for (int64_t d = 0; d < K; ++d) C[j * K + d] *= e[d];
     }
-    for (int64_t j = b0 - PBLK; j < b0; ++j)  // the previous block's keys
-#pragma omp simd
-      for (int64_t d = 0; d < K; ++d) C[j * K + d] = k[j * K + d] * exp_floor(Gs[d] - G[j * K + d]);
+    columns(s, k, G, Gs, b0 - PBLK, b0, C + (b0 - PBLK) * K);  // the previous block's keys
     scaled(s, k, q, G, Gs, b0, b1, R, R + n * K);  // R: k rows then q rows, decayed to token b0 - 1
     mm(false, true, n, b0, K, 1.f, R, K, C, K, 0.f, A_kk + b0 * CHUNK, CHUNK);
     mm(false, true, n, b0, K, s.scale, R + n * K, K, C, K, 0.f, A_qk + b0 * CHUNK, CHUNK);

@@ -83,6 +83,20 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at:
   return out;
 }
 
+// The k experts of largest key(e) in descending order (the lower id first among equal ones) into
+// ids; `taken` is E flags of scratch.
+template <typename Key>
+void pick_top(const Key& key, int64_t E, int64_t k, std::vector<char>& taken, int64_t* ids) {
+  std::fill(taken.begin(), taken.end(), 0);
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (!taken[e] && (best < 0 || key(e) > key(best))) best = e;
+    taken[best] = 1;
+    ids[j] = best;
+  }
+}
+
 // Softmax routing (Qwen3-Next's SparseMoE): per token, softmax of logits [T, E] (fp32 or bf16) in
 // fp32, the k largest probabilities in descending order (the lower expert id first among equal
 // ones), renormalised to sum 1 when `renorm`. Returns (weights [T, k] fp32, experts [T, k] int64).
@@ -104,17 +118,9 @@ std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_
         float top = -std::numeric_limits<float>::max(), sum = 0.f;
         for (int64_t e = 0; e < E; ++e) top = std::max(top, p[e] = as_float(lp[t * ld + e]));
         for (int64_t e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - top);
-        std::fill(taken.begin(), taken.end(), 0);
+        pick_top([&](int64_t e) { return p[e]; }, E, k, taken, ip + t * k);
         float chosen = 0.f;
-        for (int64_t j = 0; j < k; ++j) {
-          int64_t best = -1;
-          for (int64_t e = 0; e < E; ++e)
-            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-          taken[best] = 1;
-          wp[t * k + j] = p[best] / sum;
-          ip[t * k + j] = best;
-          chosen += wp[t * k + j];
-        }
+        for (int64_t j = 0; j < k; ++j) chosen += wp[t * k + j] = p[ip[t * k + j]] / sum;
         if (renorm)
           for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= chosen;
       }
@@ -154,17 +160,9 @@ std::tuple<at::Tensor, at::Tensor> topk_scores(const at::Tensor& scores, const a
     std::vector<char> taken(E);
     for (int64_t t = begin; t < end; ++t) {
       const float* p = lp + t * ld;
-      std::fill(taken.begin(), taken.end(), 0);
+      pick_top([&](int64_t e) { return p[e] + bp[e]; }, E, k, taken, ip + t * k);
       float chosen = 0.f;
-      for (int64_t j = 0; j < k; ++j) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; ++e)
-          if (!taken[e] && (best < 0 || p[e] + bp[e] > p[best] + bp[best])) best = e;
-        taken[best] = 1;
-        wp[t * k + j] = p[best];
-        ip[t * k + j] = best;
-        chosen += p[best];
-      }
+      for (int64_t j = 0; j < k; ++j) chosen += wp[t * k + j] = p[ip[t * k + j]];
       for (int64_t j = 0; j < k; ++j) {
         float& w_j = wp[t * k + j];
         w_j = (renorm ? divide(w_j, chosen + 1e-20f) : w_j) * scale;
