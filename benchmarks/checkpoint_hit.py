@@ -3,7 +3,7 @@ per capacity (simulated at Kimi-Linear-48B / H200 scale; see docs/checkpoint_hit
 
     python -m benchmarks.checkpoint_hit                 # default sweep, < 10 min on 2 cores
     python -m benchmarks.checkpoint_hit --full          # the whole Mooncake hour as well
-    python -m benchmarks.checkpoint_hit --trace my.jsonl --capacities 20 80 --policies ours vllm-align
+    python -m benchmarks.checkpoint_hit --trace my.jsonl --capacities 20 80 --policies ours-unified vllm-align
     python -m benchmarks.checkpoint_hit --real          # the engine's own counters against the replay
 
 Each point replays a trace through the engine's Scheduler and StateRadixCache on the `sim`

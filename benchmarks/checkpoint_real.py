@@ -15,11 +15,13 @@ from benchmarks.traces.generate import chat
 from hybridserve import Engine, SamplingParams
 from hybridserve.sim import SimClock, SimExecutor
 from scheduler import Req, Scheduler
-from state_cache import KVPool, StatePool, StateRadixCache
+from state_cache import StateRadixCache, make_host_pool, make_pools
 
 COUNTERS = ("lookups", "lookup_tokens", "kv_hit_tokens", "state_hit_tokens", "inserted_checkpoints",
-            "evicted_pages", "evicted_checkpoints")
-POLICIES = ("ours-split", "sglang-no-buffer", "sglang-extra-buffer")  # split pools: what the engine runs today
+            "evicted_pages", "evicted_checkpoints", "host_hit_tokens", "bytes_to_host", "bytes_from_host")
+# replayed policy -> its memory settings in the engine (the replay takes the engine's plan)
+POLICIES = {"ours-unified": {}, "ours-unified+host": {"host_memory_gb": 0.05}, "ours-split": {"checkpoint_share": 0.5},
+            "sglang-no-buffer": {"checkpoint_share": 0.9 / 1.9}, "sglang-extra-buffer": {"checkpoint_share": 0.9 / 1.9}}
 
 
 def small_trace(conversations: int = 6):
@@ -37,7 +39,8 @@ def run_engine(policy: str, reqs, arrive) -> tuple[dict, dict, Engine]:
     from benchmarks.replay import POLICIES as REPLAYED
 
     eng = Engine(model="builtin", dtype="float32", memory_gb=0.02, max_running=4, policy="serial",
-                 cost_profile="builtin_cpu", **_cache_settings(REPLAYED[policy].cache))
+                 cost_profile="builtin_cpu", **POLICIES[policy],
+                 **_cache_settings(REPLAYED[policy.replace("+host", "+host256")].cache))
     outs, step = {}, 0
     while len(outs) < len(reqs):
         for i, t in enumerate(arrive):
@@ -54,9 +57,9 @@ def run_engine(policy: str, reqs, arrive) -> tuple[dict, dict, Engine]:
 def run_replay(eng: Engine, reqs, arrive, outs) -> dict:
     plan, mc = eng.plan, eng.model_config
     clock = SimClock()
-    kv = KVPool(plan.num_pages, plan.page_size, mc.kv_shapes, mc.dtype)
-    states = StatePool(plan.num_active, plan.num_checkpoints, mc.state_shapes)
-    cache = StateRadixCache(kv, states, mc.kernel_chunks, eng.config.cache, flops=eng.cache.flops)
+    kv, states = make_pools(plan, mc.kv_shapes, mc.state_shapes, mc.dtype)  # pools that only count
+    cache = StateRadixCache(kv, states, mc.kernel_chunks, eng.config.cache, flops=eng.cache.flops,
+                            host=make_host_pool(plan, mc.kv_shapes, mc.dtype))
     sched = Scheduler(cache, eng.config.scheduler, eng.scheduler.cost, clock)
     ex = SimExecutor(eng.scheduler.cost, clock, token=lambda r: outs[r.rid][len(r.output_ids)])
     runs = [Req(f"r{i}", list(r.prompt), len(r.output)) for i, r in enumerate(reqs)]

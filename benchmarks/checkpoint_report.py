@@ -69,7 +69,7 @@ def plot_hits(rows: list[dict], path: Path) -> None:
                 ax.axhline(pts[0][1], label="unbounded (bound)", **STYLE[policy])
                 continue
             xs, ys = zip(*pts)
-            bold = dict(lw=2.6, zorder=5) if policy == "ours" else {}
+            bold = dict(lw=2.6, zorder=5) if policy == "ours-unified" else {}
             ax.plot(xs, ys, marker="o", ms=3, label=policy, **STYLE.get(policy, {}), **bold)
         caps = sorted({r["capacity_bytes"] / GB for r in trace_rows if r["policy"] != "unbounded"})
         ax.set_xscale("log")
@@ -105,7 +105,7 @@ def plot_ttft(rows: list[dict], path: Path, trace: str = "mooncake") -> None:
         if r["capacity_bytes"] not in (cap, 0.0):
             continue
         t = np.sort(np.asarray(r["ttft_s"]))
-        bold = dict(lw=2.6, zorder=5) if r["policy"] == "ours" else {}
+        bold = dict(lw=2.6, zorder=5) if r["policy"] == "ours-unified" else {}
         ax.plot(t, np.arange(1, len(t) + 1) / len(t), label=r["policy"], **STYLE.get(r["policy"], {}), **bold)
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))

@@ -64,8 +64,11 @@ class Replayed:
 
     page: KV page (block) size; chunks: the kernel-chunk constraint on the grid ({} for an
     engine whose kernels resume anywhere); state_share: None for one byte budget over KV and
-    checkpoints, else the share of the capacity that becomes checkpoint slots (the rest KV
-    pages); unbounded: pools that hold the whole trace (capacity ignored).
+    checkpoints (checkpoints take whole pages of the KV pool, as in the engine), else the
+    share of the capacity that becomes checkpoint slots (the rest KV pages); unbounded: pools
+    that hold the whole trace (capacity ignored); staging: the rows new prefill checkpoints
+    are written into per round (the engine's staging_rows; None: as many as wanted, for
+    engines that write states straight into their blocks); host: bytes of a host tier.
     """
 
     name: str
@@ -75,15 +78,25 @@ class Replayed:
     state_share: float | None = None
     unbounded: bool = False
     offline: bool = False
+    staging: int | None = None
+    host: float = 0.0
     note: str = ""
 
 
 OTHERS = dict(checkpoint_chunk_ends="keep", checkpoint_hedge=None,  # ours' rules the other engines lack
               eviction_shadowed_share=1.0)
+STAGING = EngineConfig().staging_rows
+SPLIT_SWEEP = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # checkpoint_share values of the static-split sweep
+HOST_GB = (256, 1000)  # host tiers replayed beside the device capacity
 POLICIES = {p.name: p for p in [
-    Replayed("ours", CacheConfig(), note="the engine's admission and eviction (CacheConfig()) on one byte budget"),
-    Replayed("ours-split", CacheConfig(), state_share=EngineConfig().checkpoint_share,
-             note="the same with the engine's static split today (checkpoint_share of the bytes for checkpoints)"),
+    Replayed("ours-unified", CacheConfig(), staging=STAGING,
+             note="the engine's admission and eviction (CacheConfig()) on one byte budget (its default)"),
+    *[Replayed(f"ours-unified+host{gb}", CacheConfig(), staging=STAGING, host=gb * GB,
+               note=f"the same plus a {gb} GB host tier (loads priced at the profile's host link)") for gb in HOST_GB],
+    Replayed("ours-split", CacheConfig(), state_share=0.5,
+             note="the same admission with the static split (checkpoint_share 0.5 of the bytes for checkpoints)"),
+    *[Replayed(f"ours-split-{round(s * 100)}", CacheConfig(), state_share=s, note=f"static split at {s}")
+      for s in SPLIT_SWEEP if s != 0.5],
     Replayed("sglang-no-buffer", CacheConfig(**OTHERS, checkpoint_last_prompt="none", checkpoint_branch_points=False,
                                              eviction="lru"),
              state_share=0.9 / 1.9, note="chunk ends + request end; mamba pool 0.9 x KV pool; two LRUs"),
@@ -101,7 +114,7 @@ POLICIES = {p.name: p for p in [
              note="branch points + last decoded token; recency + FLOPs/byte (alpha = 1); one budget"),
     Replayed("unbounded", CacheConfig(checkpoint_interval=64), unbounded=True,
              note="infinite capacity, a checkpoint at every G: no policy can hit more"),
-    Replayed("offline", CacheConfig(), offline=True,
+    Replayed("offline", CacheConfig(), offline=True, staging=STAGING,
              note="ours' admission, Belady eviction (farthest next use first) over the same bytes"),
 ]}
 
@@ -174,19 +187,21 @@ def build(policy: Replayed, capacity: float, reqs: Sequence[TraceRequest], clock
           max_running: int) -> StateRadixCache:
     """The cache a policy runs on at `capacity` bytes (its checkpoint slots, KV pages, budget)."""
     kv_page = KV_BYTES * policy.page
+    unified = policy.state_share is None and not policy.unbounded
     if policy.unbounded:
         tokens = sum(len(r.prompt) + len(r.output) for r in reqs)
-        pages, ckpts, budget = tokens // policy.page + 2 * len(reqs), tokens // 64 + 2 * len(reqs), None
-    elif policy.state_share is None:
-        pages, ckpts, budget = int(capacity // kv_page), int(capacity // STATE_BYTES), int(capacity)
+        pages, ckpts = tokens // policy.page + 2 * len(reqs), tokens // 64 + 2 * len(reqs)
+    elif unified:  # ckpts: staging rows, outside the capacity like the active slots
+        pages, ckpts = int(capacity // kv_page), policy.staging or 4 * max_running
     else:
         ckpts = int(capacity * policy.state_share // STATE_BYTES)
-        pages, budget = int((capacity - ckpts * STATE_BYTES) // kv_page), None
+        pages = int((capacity - ckpts * STATE_BYTES) // kv_page)
     kv = KVPool(pages, policy.page, KV_LAYERS)
-    states = StatePool(max_running, ckpts, STATE_LAYERS)
+    states = StatePool(max_running, ckpts, STATE_LAYERS, arena=kv if unified else None)
+    host = KVPool(int(policy.host // kv_page), policy.page, KV_LAYERS) if policy.host else None
     offline = Belady(NextUse(reqs, policy.page, clock)) if policy.offline else None
     config = dataclasses.replace(policy.cache, evict_ahead=EVICT_AHEAD)
-    return StateRadixCache(kv, states, policy.chunks, config, flops=FLOPS, budget_bytes=budget, policy=offline)
+    return StateRadixCache(kv, states, policy.chunks, config, flops=FLOPS, policy=offline, host=host)
 
 
 def replay(reqs: Sequence[TraceRequest], policy: Replayed, capacity: float, max_running: int = 64,
@@ -213,6 +228,10 @@ def replay(reqs: Sequence[TraceRequest], policy: Replayed, capacity: float, max_
         "flops_saved_share": st.flops_saved / max(sum(FLOPS(len(r.prompt)) for r in reqs), 1.0),
         "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p95_s": float(np.percentile(ttft, 95)),
         "ttft_s": ttft.tolist(),
-        "checkpoint_bytes_end": held * STATE_BYTES, "checkpoints_written": st.inserted_checkpoints,
+        "checkpoint_bytes_end": st.checkpoints_used * st.checkpoint_bytes if st.unified else held * STATE_BYTES,
+        "checkpoints_written": st.inserted_checkpoints,
         "checkpoints_evicted": st.evicted_checkpoints, "retractions": sched.counters["retractions"],
+        "host_bytes": policy.host, "host_hit_rate": st.host_hit_tokens / max(st.lookup_tokens, 1),
+        "host_loads": sched.counters["host_loads"], "host_recomputes": sched.counters["host_recomputes"],
+        "bytes_to_host": st.bytes_to_host, "bytes_from_host": st.bytes_from_host,
     }

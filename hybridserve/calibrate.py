@@ -1,6 +1,7 @@
 """Fit the step-time model of a model on this machine by timing real forwards."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -44,8 +45,25 @@ def calibrate(model, mc: ModelConfig, memory: Memory, cache, quick: bool = False
     samples = [(shape, _time_forward(model, memory, cache, shape, repeats)) for shape in fitted]
     log.info("calibration: timed %d shapes in %.1f s", len(samples), time.perf_counter() - t0)
     chunk = min(mc.kernel_chunks.values())
-    return CostModel.fit(samples, chunk=chunk, attn_layers=len(mc.attn_layers),
-                         meta={"model": mc.model_type, "fitted_on": f"{len(samples)} timed forwards"})
+    fitted_model = CostModel.fit(samples, chunk=chunk, attn_layers=len(mc.attn_layers),
+                                 meta={"model": mc.model_type, "fitted_on": f"{len(samples)} timed forwards"})
+    return dataclasses.replace(fitted_model, host_bytes_per_s=host_link(memory))
+
+
+def host_link(memory: Memory, nbytes: int = 64 << 20, repeats: int = 3) -> float:
+    """Bytes per second of a device -> host copy of nbytes (pinned host memory on a GPU; a
+    memory copy on CPU), the fastest of `repeats`: the host tier's link."""
+    ref = next(iter(memory.kv[0].values())) if memory.kv else torch.empty(0)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=ref.device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ref.device.type == "cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(ref.device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(ref.device)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
 
 
 def fit_to_pool(shape: BatchShape, pages: int, slots: int, page_size: int) -> BatchShape:
@@ -93,3 +111,8 @@ def _time_forward(model, memory: Memory, cache, shape: BatchShape, repeats: int)
         kv.free(pages)
         for s in slots:
             st.free(s)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -33,10 +33,18 @@ class EngineConfig:
         "choices": DTYPES})
     page_size: int = field(default=64, metadata={"help": "tokens per attention-KV page"})
     memory_gb: float = field(default=1.0, metadata={
-        "help": "GiB for the KV pages, the active state slots and the checkpoint slots together"})
-    checkpoint_share: float = field(default=0.5, metadata={
-        "help": "share of the memory left after the active slots that goes to recurrent-state checkpoints "
-                "(the prefix cache of the linear layers); the rest is KV pages"})
+        "help": "GiB for the KV pages, the active state slots and the checkpoints together"})
+    checkpoint_share: float | None = field(default=None, metadata={
+        "help": "static split: this share of the memory left after the active slots is recurrent-state checkpoint "
+                "slots, the rest KV pages; unset: one budget, KV pages and checkpoints carved from the same pages on "
+                "demand and evicted in one order"})
+    staging_rows: int = field(default=8, metadata={
+        "help": "under the one budget: state rows a forward writes new prefill checkpoints into before the cache "
+                "stores them in pages (at most this many per round; capped at max_running)"})
+    host_memory_gb: float = field(default=0.0, metadata={
+        "help": "GiB of host memory (pinned on a GPU) for a second tier: KV pages and checkpoints evicted from the "
+                "device move there and are copied back on a hit when that is cheaper than recomputing; 0: none "
+                "(needs the one budget)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest prompt + output in tokens; unset: the model's context"})
     cost_profile: str | None = field(default=None, metadata={
@@ -60,8 +68,14 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.memory_gb <= 0:
             raise ValueError(f"memory_gb must be > 0, got {self.memory_gb}")
-        if not 0 <= self.checkpoint_share < 1:
-            raise ValueError(f"checkpoint_share must be in [0, 1), got {self.checkpoint_share}")
+        if self.checkpoint_share is not None and not 0 <= self.checkpoint_share < 1:
+            raise ValueError(f"checkpoint_share must be in [0, 1) or unset, got {self.checkpoint_share}")
+        if self.staging_rows < 1:
+            raise ValueError(f"staging_rows must be >= 1, got {self.staging_rows}")
+        if self.host_memory_gb < 0:
+            raise ValueError(f"host_memory_gb must be >= 0, got {self.host_memory_gb}")
+        if self.host_memory_gb and self.checkpoint_share is not None:
+            raise ValueError("host_memory_gb: a host tier needs the one budget (leave checkpoint_share unset)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name, kind in SECTIONS.items():

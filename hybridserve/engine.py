@@ -1,6 +1,7 @@
 """Engine: the step loop (schedule -> run -> process) over one model, its pools and cache."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -19,7 +20,7 @@ from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
 from models.loader import load_model
 from scheduler import CostModel, Drift, Executor, Req, Scheduler, policy_class
-from state_cache import PrefillFlops, StateRadixCache, make_pools, plan_memory
+from state_cache import PrefillFlops, StateRadixCache, make_host_pool, make_pools, plan_memory
 
 log = logging.getLogger(__name__)
 # the shipped step-time profiles of the built-in model on CPU, by dtype (scheduler/profiles/)
@@ -76,14 +77,17 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         self.plan = plan_memory(mc.kv_shapes, mc.state_shapes, budget_bytes=int(config.memory_gb * 2**30),
                                 page_size=config.page_size, max_running=config.scheduler.max_running,
-                                checkpoint_share=config.checkpoint_share, kv_dtype=mc.dtype)
+                                checkpoint_share=config.checkpoint_share, staging_rows=config.staging_rows,
+                                host_bytes=int(config.host_memory_gb * 2**30), kv_dtype=mc.dtype)
         kv_pool, state_pool = make_pools(self.plan, mc.kv_shapes, mc.state_shapes, mc.dtype, config.device)
         self.memory = Memory(kv_pool.buffers, state_pool.buffers, config.page_size)
         self.cache = StateRadixCache(kv_pool, state_pool, mc.kernel_chunks, config.cache,
-                                     flops=PrefillFlops(2.0 * sum(p.numel() for p in self.model.parameters())))
+                                     flops=PrefillFlops(2.0 * sum(p.numel() for p in self.model.parameters())),
+                                     host=make_host_pool(self.plan, mc.kv_shapes, mc.dtype, config.device))
         self.sampler = Sampler(config.device)
-        self.executor: Executor = ModelRunner(self.model, self.memory, config.device, self.sampler)
-        self.scheduler = Scheduler(self.cache, config.scheduler, self._cost_model(), time.monotonic)
+        self.executor: Executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
+        cost = self._with_host_link(self._cost_model())
+        self.scheduler = Scheduler(self.cache, config.scheduler, cost, time.monotonic)
         self.requests: dict[str, tuple[Req, Detokenizer]] = {}
         self._ids = itertools.count()
         self.threads: ThreadGovernor | None = None  # made at the first round, on the thread that steps
@@ -113,6 +117,17 @@ class Engine:
         from hybridserve.calibrate import calibrate
 
         return calibrate(self.model, self.model_config, self.memory, self.cache, quick=True)
+    def _with_host_link(self, cost: CostModel) -> CostModel:
+        """With a host tier, a profile without the host link's speed gets it measured now (the
+        scheduler prices loads with it)."""
+        if self.cache.host is None or cost.host_bytes_per_s:
+            return cost
+        from hybridserve.calibrate import host_link
+
+        link = host_link(self.memory)
+        log.info("host tier: measured the host link at %.1f GB/s", link / 1e9)
+        return dataclasses.replace(cost, host_bytes_per_s=link)
+
     # -- requests ------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -240,10 +255,12 @@ class Engine:
             raise RuntimeError("requests are in the engine: audit only when idle")
         self.scheduler.flush_cache()
         self.scheduler.check_integrity()
-        kv, st = self.cache.kv_pool, self.cache.state_pool
+        kv, st, host = self.cache.kv_pool, self.cache.state_pool, self.cache.host
         return {"kv_pages_held": kv.num_pages - kv.num_free,
                 "active_slots_held": st.num_active - st.num_free_active,
-                "checkpoint_slots_held": st.num_checkpoints - st.num_free_checkpoints}
+                "checkpoint_slots_held": st.num_checkpoints - st.num_free_checkpoints + st.num_used_checkpoints
+                * (st.arena is not None),
+                **({"host_pages_held": host.num_pages - host.num_free} if host else {})}
 
     def stats(self) -> dict:
         """Counters and pool usage for metrics."""

@@ -32,7 +32,14 @@ COUNTERS = {
                                                    "(the tokens prefill skipped)."),
     "cache.flops_saved": ("flops_saved", "Prefill FLOPs saved by state hits."),
     "cache.evicted_pages": ("evicted_pages", "KV pages evicted from the prefix cache."),
-    "cache.evicted_checkpoints": ("evicted_checkpoints", "Checkpoints evicted from the prefix cache."),
+    "cache.evicted_checkpoints": ("evicted_checkpoints", "Checkpoints evicted from the prefix cache (moved to the "
+                                                         "host tier when there is one)."),
+    "cache.host_hit_tokens": ("host_hit_tokens", "State-hit tokens brought back from the host tier (the rest of "
+                                                 "state_hit_tokens hit on the device)."),
+    "cache.host_loads": ("host_loads", "Prefixes loaded back from the host tier."),
+    "cache.bytes_to_host": ("host_bytes_written", "Bytes of KV and checkpoints moved to the host tier."),
+    "cache.bytes_from_host": ("host_bytes_read", "Bytes of KV and checkpoints loaded back from the host tier."),
+    "host_recomputes": ("host_recomputes", "Host-tier hits recomputed instead, the copy being priced slower."),
 }
 # gauge prefix -> stats["cache"] keys (total, free, held by the prefix cache), what it counts
 POOLS = {
@@ -119,6 +126,7 @@ class _EngineCollector(Collector):
             rate = s["cache"][f"{kind}_hit_tokens"] / lookups if lookups else 0.0
             yield GaugeMetricFamily(PREFIX + f"{kind}_hit_rate", f"{kind}_hit_tokens / cache_lookup_tokens "
                                     "since start.", rate)
+        yield _memory_bytes(s["cache"])
         for name, (total, free, cached, what) in POOLS.items():
             c = s["cache"]
             yield GaugeMetricFamily(PREFIX + name + "_total", f"All {what}.", c[total])
@@ -126,6 +134,21 @@ class _EngineCollector(Collector):
             if cached:
                 yield GaugeMetricFamily(PREFIX + name + "_cached", f"{what.capitalize()} held by the prefix cache.",
                                         c[cached])
+
+
+def _memory_bytes(c: dict) -> GaugeMetricFamily:
+    """Bytes held now, by tier (device, host) and kind (kv, checkpoint)."""
+    g = GaugeMetricFamily(PREFIX + "memory_bytes", "Bytes held by tier (device, host) and kind (kv: attention KV "
+                          "pages of running requests and the prefix cache; checkpoint: recurrent-state checkpoints).",
+                          labels=["tier", "kind"])
+    pb, cb = c["page_bytes"], c["checkpoint_bytes"]
+    ckpt = c["checkpoints_used"] * cb
+    in_pages = ckpt if c["unified"] else 0  # under one budget checkpoints are pages of the KV pool
+    g.add_metric(["device", "kv"], (c["pages_total"] - c["pages_free"]) * pb - in_pages)
+    g.add_metric(["device", "checkpoint"], ckpt)
+    g.add_metric(["host", "kv"], c["host_pages_cached"] * pb)
+    g.add_metric(["host", "checkpoint"], c["host_checkpoints_cached"] * cb)
+    return g
 
 
 def _value(stats: dict, key: str) -> float:

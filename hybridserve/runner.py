@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -12,13 +13,16 @@ from scheduler import Batch, Executor, StepOutput
 
 class ModelRunner(Executor):
     """Runs the model on the pools' tensors; checkpoint states are written by the forward
-    straight into the checkpoint slots the scheduler allocated for each chunk."""
+    straight into the rows of the checkpoint slots the scheduler allocated for each chunk
+    (`row`: the state pool's slot -> row map; under the unified budget, staging rows that
+    the cache later moves into KV-pool pages)."""
 
-    def __init__(self, model, memory: Memory, device: str, sampler: Sampler):
-        self.model, self.memory, self.device, self.sampler = model, memory, device, sampler
+    def __init__(self, model, memory: Memory, device: str, sampler: Sampler, row: Callable[[int], int] = int):
+        self.model, self.memory, self.device, self.sampler, self.row = model, memory, device, sampler, row
 
     def segments(self, batch: Batch) -> list[Segment]:
-        segs = [Segment(c.req.all_ids[c.start:c.end], c.start, c.req.active_slot, c.req.kv_pages, c.checkpoints, c.req)
+        segs = [Segment(c.req.all_ids[c.start:c.end], c.start, c.req.active_slot, c.req.kv_pages,
+                        tuple((p, self.row(s)) for p, s in c.checkpoints), c.req)
                 for c in batch.chunks]
         segs += [Segment([r.all_ids[r.prefix_len]], r.prefix_len, r.active_slot, r.kv_pages, (), r)
                  for r in batch.decodes]  # the last sampled token, at position prefix_len

@@ -41,7 +41,7 @@ class SimExecutor(Executor):
             starts = [c.start // g * g for c in batch.chunks]
             self.replayed += [(c.req, s, c.start) for c, s in zip(batch.chunks, starts) if s < c.start]
             shape = BatchShape([(s, c.end - s) for c, s in zip(batch.chunks, starts)], shape.decode)
-        dt = self.cost.step_time(shape)
+        dt = self.cost.step_time(shape) + batch.copy_s  # host-tier copies made for it run before it
         self.clock.now += dt
         tok = self.token
         return StepOutput([tok(r) if callable(tok) else tok for r in batch.sampling_reqs], dt)

@@ -31,6 +31,7 @@ class Batch:
     decodes: list[Req]
     shape: BatchShape
     predicted: float  # seconds, from the cost model
+    copy_s: float = 0.0  # seconds of host-tier copies made while scheduling it (cost model's host link)
     sampling_reqs: list[Req] = field(init=False)  # rows whose next token the executor returns, in order
 
     def __post_init__(self):

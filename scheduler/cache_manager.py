@@ -119,13 +119,13 @@ class CacheManager:
         if decision is DecodeCheckpoint.NONE:
             return
         if decision is DecodeCheckpoint.KEEP:
-            slot = self.cache.alloc_checkpoint(self.reserved())
+            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False)
             if slot is not None:
                 self.states.save(req.active_slot, slot)
                 self.stash(req, pos, {pos: slot})
             return
         if req.rolling_ckpt is None:  # rolling: reuse the request's one writable slot
-            slot = self.cache.alloc_checkpoint(self.reserved())
+            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False)
             if slot is None:
                 return
         else:

@@ -7,6 +7,9 @@
            + c_serial * max_prefill(ceil(extend / chunk))
            + c_dec * decode_rows
 
+`host_bytes_per_s` is the host link (device <-> host tier copies: PCIe or NVLink-C2C on a
+GPU, a memory copy on CPU); 0: unknown, and nothing is loaded from a host tier.
+
 `c_serial` is the serial weight: a chunkwise linear-attention kernel walks each segment in
 `chunk`-token steps, one after the other, so a segment of E tokens costs ceil(E / chunk)
 steps of wall time however few tokens each holds, and a batch costs its longest segment's
@@ -52,6 +55,7 @@ class CostModel:
     c_dec: float = 0.0
     chunk: int = 64
     attn_layers: int = 1
+    host_bytes_per_s: float = 0.0
     meta: dict = field(default_factory=dict, compare=False)  # provenance: model, hardware, sources
 
     def __post_init__(self):
@@ -63,6 +67,14 @@ class CostModel:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.attn_layers < 0:
             raise ValueError(f"attn_layers must be >= 0, got {self.attn_layers}")
+        if not math.isfinite(self.host_bytes_per_s) or self.host_bytes_per_s < 0:
+            raise ValueError(f"host_bytes_per_s must be a finite number >= 0, got {self.host_bytes_per_s}")
+
+    def copy_time(self, nbytes: int) -> float:
+        """Seconds to move nbytes over the host link (inf when the link is unknown)."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / self.host_bytes_per_s if self.host_bytes_per_s else math.inf
 
     def features(self, shape: BatchShape) -> list[float]:
         """The regressors of `step_time`, in COEFFS order."""
@@ -129,7 +141,7 @@ class CostModel:
     @classmethod
     def from_json(cls, path: str | Path) -> "CostModel":
         data = json.loads(Path(path).read_text())
-        unknown = set(data) - set(COEFFS) - {"chunk", "attn_layers", "meta"}
+        unknown = set(data) - set(COEFFS) - {"chunk", "attn_layers", "host_bytes_per_s", "meta"}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         return cls(**data)

@@ -22,7 +22,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.cost import BatchShape, CostModel
 from scheduler.policy import Plan, scheduling_policy
 from scheduler.request import Req, Status
-from state_cache import CacheStats, PrefixCache
+from state_cache import CacheStats, MatchResult, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,9 @@ class Scheduler:
         self._order = itertools.count()
         self._admitted: dict[Req, int] = {}  # running -> seniority (order of first admission)
         self._ended: list[Req] = []  # finished here, outside process() (queue timeout): for pop_ended()
-        self.counters = dict(prefill_tokens=0, decode_tokens=0, rounds=0, retractions=0, shared_waits=0)
+        self.counters = dict(prefill_tokens=0, decode_tokens=0, rounds=0, retractions=0, shared_waits=0,
+                             host_loads=0, host_recomputes=0)
+        self._moved = 0  # host-tier bytes moved up to the last round (priced into the next one)
 
     @property
     def cache(self) -> PrefixCache:
@@ -138,7 +140,7 @@ class Scheduler:
             return None
         self.policy.scheduled(bool(chunks))
         shape = BatchShape([(c.start, c.end - c.start) for c in chunks], [r.prefix_len for r in rows])
-        batch = Batch(chunks, rows, shape, self.cost.step_time(shape))
+        batch = Batch(chunks, rows, shape, self.cost.step_time(shape), self._copy_time())
         self.inflight.append(batch)
         self.counters["rounds"] += 1
         return batch
@@ -253,7 +255,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_running:
                 break
             req.fill_len = len(req.all_ids)
-            m = cm.match(req)
+            m = self._from_host(req, cm.match(req))
             cm.cache.lock(m.node)  # the hit pages are not ours to count as evictable
             need = cm.future_pages(req, self.config.decode_reserve, held=len(m.pages))
             room = cm.cache.free_pages + cm.cache.evictable_pages - self._reserved()
@@ -272,6 +274,26 @@ class Scheduler:
                 req.seniority = next(self._order)
             self._admitted[req] = req.seniority
             bisect.insort(self.running, req, key=self._admitted.__getitem__)  # seniors are placed first
+
+    def _from_host(self, req: Req, m: MatchResult) -> MatchResult:
+        """Load m's host-tier hit back when the copy (its bytes over the host link) is cheaper
+        than recomputing the prefill it saves (one segment [state_len, host_len)); the match then."""
+        if m.host_len <= m.state_len:
+            return m
+        recompute = self.cost.step_time(BatchShape([(m.state_len, m.host_len - m.state_len)]))
+        if self.cost.copy_time(m.host_bytes) >= recompute:
+            self.counters["host_recomputes"] += 1
+            return m
+        if self.cache.load(m):
+            self.counters["host_loads"] += 1
+            return self.cache_manager.match(req)
+        return m
+
+    def _copy_time(self) -> float:
+        """Seconds of host-tier traffic (both directions) since the last round."""
+        st = self.cache.stats()
+        moved, self._moved = self._moved, st.bytes_to_host + st.bytes_from_host
+        return self.cost.copy_time(self._moved - moved) if self._moved > moved and self.cost.host_bytes_per_s else 0.0
 
     def _expire(self, now: float) -> None:
         """End the waiting requests queued longer than queue_timeout."""

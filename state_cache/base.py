@@ -53,6 +53,9 @@ class MatchResult(NamedTuple):
     pages:      the tree's KV pages for tokens [0, state_len), in order.
     branch_pos: the G-position at or before the point where the tokens leave a cached
                 path (0 when they extend or stay on one): admit a checkpoint there.
+    host_len:   with a host tier, the deeper usable prefix that `load(host_node)` would bring
+                back (its KV and/or checkpoint are on the host); 0 when there is none.
+    host_bytes: the bytes that load would copy from the host.
     """
 
     kv_len: int
@@ -61,6 +64,9 @@ class MatchResult(NamedTuple):
     checkpoint: Checkpoint | None
     pages: list[int]
     branch_pos: int
+    host_len: int = 0
+    host_node: Any = None
+    host_bytes: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -110,6 +116,19 @@ class CacheStats(NamedTuple):
     checkpoints_locked: int
     active_total: int
     active_free: int
+    page_bytes: int = 0
+    unified: bool = False  # one budget: checkpoints are pages of the KV pool
+    checkpoints_used: int = 0  # checkpoints allocated (cached, or being written by requests)
+    checkpoint_bytes: int = 0  # the bytes one checkpoint takes (whole pages under the unified budget)
+    host_loads: int = 0  # load() calls that brought a prefix back from the host tier
+    host_hit_tokens: int = 0  # state-hit tokens that came from the host tier
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    host_evicted_pages: int = 0  # host pages dropped by host-tier eviction
+    host_pages_total: int = 0
+    host_pages_free: int = 0
+    host_pages_cached: int = 0  # host pages holding KV
+    host_checkpoints_cached: int = 0
 
 
 class Candidate(NamedTuple):
@@ -264,10 +283,17 @@ class PrefixCache(ABC):
         """Pages for a request, evicting cached ones if needed; None if that is not enough."""
 
     @abstractmethod
-    def alloc_checkpoint(self, keep_pages: int = 0) -> int | None:
+    def alloc_checkpoint(self, keep_pages: int = 0, staged: bool = True) -> int | None:
         """A writable checkpoint slot, evicting if needed; None if everything is locked, or
         (under one byte budget) if taking it would leave fewer than keep_pages pages
-        allocatable (free or evictable): bytes promised to running requests stay theirs."""
+        allocatable (free or evictable): bytes promised to running requests stay theirs.
+        staged: a forward will write it (it needs a staging row under the unified budget);
+        False for one filled by save()."""
+
+    def load(self, m: MatchResult) -> bool:
+        """Bring m's host-tier part (m.host_node) back to the device; True if m.host_len is now a
+        device hit. A cache without a host tier has nothing to load."""
+        return False
 
     @abstractmethod
     def flush(self) -> None:

@@ -33,6 +33,7 @@ class KVPool:
         layers: Sequence[KVLayerSpec] = (),
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
+        pin_memory: bool = False,
     ):
         if num_pages < 0:
             raise ValueError(f"num_pages must be >= 0, got {num_pages}")
@@ -48,7 +49,7 @@ class KVPool:
         if device is not None:
             self.buffers = [
                 {
-                    name: torch.zeros((num_pages, page_size, *shape), dtype=dtype, device=device)
+                    name: torch.zeros((num_pages, page_size, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
                     for name, shape in layer.items()
                 }
                 for layer in self.layers

@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 
 class Node:
     __slots__ = ("key", "pages", "parent", "children", "start", "checkpoint", "lock_ref", "pins", "last_access",
-                 "resumed_at")
+                 "resumed_at", "host", "host_ckpt")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None, start: int, now: float):
         self.key = key
@@ -24,13 +24,21 @@ class Node:
         self.pins = 0  # locks on this very node: its checkpoint stays too
         self.last_access = now  # a lookup or insert passed through (its KV was used)
         self.resumed_at = now  # a request resumed from its checkpoint (or the checkpoint was written)
+        self.host = False  # pages are host-tier pages (never locked; every node below is on the host too)
+        self.host_ckpt: list[int] | None = None  # a checkpoint moved to the host tier: its host pages
+
+    @property
+    def has_checkpoint(self) -> bool:
+        """A checkpoint in either tier."""
+        return self.checkpoint is not None or self.host_ckpt is not None
 
     @property
     def end(self) -> int:
         return self.start + len(self.key)
 
     def __repr__(self) -> str:
-        return f"Node[{self.start}, {self.end}) ckpt={self.checkpoint} locks={self.lock_ref}"
+        where = " host" if self.host else ""
+        return f"Node[{self.start}, {self.end}){where} ckpt={self.checkpoint} locks={self.lock_ref}"
 
 
 def ids(tokens: Sequence[int]) -> tuple[int, ...]:
@@ -74,7 +82,7 @@ def split(child: Node, n: int, ps: int) -> Node:
     if parent is None:
         raise ValueError("child: the root or an evicted node has no edge to split")
     upper = Node(child.key[:n], child.pages[: n // ps], parent, child.start, child.last_access)
-    upper.lock_ref = child.lock_ref
+    upper.lock_ref, upper.host = child.lock_ref, child.host
     parent.children[child.key[:ps]] = upper
     child.key, child.pages = child.key[n:], child.pages[n // ps:]
     child.start, child.parent = child.start + n, upper

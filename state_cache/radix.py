@@ -14,6 +14,8 @@ import logging
 import math
 from typing import Callable, Mapping, Sequence
 
+import torch
+
 from state_cache.admission import CheckpointAdmission, granularity
 from state_cache.base import (
     CacheStats,
@@ -43,11 +45,15 @@ class StateRadixCache(PrefixCache):
     config: the behaviour (checkpoint admission, eviction policy, splits); default CacheConfig().
     flops: FLOPs of prefilling [0, pos), a callable or a (per_token, attn_quadratic) pair.
     clock: returns the time used for recency (default: a counter ticking once per call).
-    budget_bytes: one byte budget for KV pages (cached or in use) and checkpoint slots
-    together; eviction then weighs both kinds in one policy order. None: the two pools'
-    own sizes bound them separately (pages and checkpoints evicted apart).
     policy: a built EvictionPolicy instead of config.eviction's (one made from data, such as
     the offline reference of the benchmarks).
+    host: a second page pool of the KV pool's layout (host memory): what device eviction
+    would drop moves there instead, and `load()` brings it back (needs the unified budget).
+
+    Memory: with a state pool whose arena is the KV pool (`StatePool(..., arena=kv_pool)`),
+    KV pages and checkpoints are carved from one byte budget, the KV pool's pages, and
+    eviction weighs both kinds in one policy order (`unified`). Otherwise the two pools'
+    own sizes bound them separately (the static split: pages and checkpoints evicted apart).
     """
 
     def __init__(
@@ -58,8 +64,8 @@ class StateRadixCache(PrefixCache):
         config: CacheConfig | None = None,
         flops: FlopsFn | tuple[float, float] | None = None,
         clock: Callable[[], float] | None = None,
-        budget_bytes: int | None = None,
         policy: EvictionPolicy | None = None,
+        host: KVPool | None = None,
     ):
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -68,20 +74,32 @@ class StateRadixCache(PrefixCache):
         self._g = granularity(self.page_size, kernel_chunks, config.checkpoint_grid)
         self.admission = CheckpointAdmission.from_config(self._g, config)
         self.policy: EvictionPolicy = policy or policy_class(config.eviction).from_config(config)
-        if budget_bytes is not None and budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
-        self.budget_bytes = budget_bytes
+        self.unified = state_pool.arena is not None
+        if self.unified and state_pool.arena is not kv_pool:
+            raise ValueError("state_pool: its arena must be this cache's KV pool")
+        if host is not None and not self.unified:
+            raise ValueError("host: a host tier needs the unified budget (a state pool with arena=kv_pool)")
+        if host is not None and (host.page_size, host.bytes_per_page) != (kv_pool.page_size, kv_pool.bytes_per_page):
+            raise ValueError("host: its pages must have the KV pool's page size and layout")
+        self.host = host
+        self.ckpt_bytes = state_pool.checkpoint_bytes
         self.flops = as_flops(flops)
         self._clock = clock or itertools.count().__next__
         self.root = Node((), [], None, 0, self._clock())
         self._owned: set[int] = set()  # pages held by the tree
         self._holders: dict[int, Node] = {}  # checkpoint slot -> the node holding it
-        self._leaves: set[Node] = set()  # nodes without children (eviction candidates when unlocked)
+        self._leaves: set[Node] = set()  # device nodes without device children (eviction candidates when unlocked)
+        self._host_owned: set[int] = set()  # host pages held by the tree (KV and checkpoints)
+        self._loading: set[Node] = set()  # nodes load() is bringing back: host eviction leaves them
+        self._host_leaves: set[Node] = set()  # host nodes without children
+        self._host_ckpts: set[Node] = set()  # nodes whose checkpoint is on the host
+        self._tie = itertools.count()  # heap tie-breaker
         self._locked_pages = 0
         self._pinned_ckpts = 0  # checkpoints on pinned nodes (locked themselves, not just below)
         self._counters = dict.fromkeys(
             ("lookups", "lookup_tokens", "kv_hit_tokens", "state_hit_tokens",
-             "inserted_pages", "inserted_checkpoints", "evicted_pages", "evicted_checkpoints"), 0)
+             "inserted_pages", "inserted_checkpoints", "evicted_pages", "evicted_checkpoints",
+             "host_loads", "host_hit_tokens", "bytes_to_host", "bytes_from_host", "host_evicted_pages"), 0)
         self._flops_saved = 0.0  # FLOPs of the state hits (a float, unlike the counters above)
 
     @property
@@ -89,34 +107,28 @@ class StateRadixCache(PrefixCache):
         return self._g
 
     @property
+    def budget_bytes(self) -> int | None:
+        """The one byte budget of KV and checkpoints (unified), else None."""
+        return self.kv_pool.num_pages * self.kv_pool.bytes_per_page if self.unified else None
+
+    @property
     def evictable_pages(self) -> int:
-        """Pages evict() could free now (under a byte budget: the unlocked bytes, in pages)."""
-        if self.budget_bytes is None:
-            return len(self._owned) - self._locked_pages
-        unlocked = ((len(self._owned) - self._locked_pages) * self.kv_pool.bytes_per_page
-                    + (len(self._holders) - self._pinned_ckpts) * self.state_pool.bytes_per_slot)
-        return unlocked // max(self.kv_pool.bytes_per_page, 1)
+        """Pages evict() could free now (unified: the unlocked bytes of both kinds, in pages)."""
+        unlocked = len(self._owned) - self._locked_pages
+        if self.unified:
+            unlocked += (len(self._holders) - self._pinned_ckpts) * self.state_pool.pages_per_checkpoint
+        return unlocked
 
     @property
     def free_pages(self) -> int:
-        if self.budget_bytes is None:
-            return self.kv_pool.num_free
-        return min(self.kv_pool.num_free, self._free_bytes() // max(self.kv_pool.bytes_per_page, 1))
+        return self.kv_pool.num_free
 
     @property
     def capacity_pages(self) -> int:
-        if self.budget_bytes is None:
-            return self.kv_pool.num_pages
-        return min(self.kv_pool.num_pages, self.budget_bytes // max(self.kv_pool.bytes_per_page, 1))
+        return self.kv_pool.num_pages
 
-    def _ahead_bytes(self) -> int:
-        return math.ceil(self.config.evict_ahead * (self.budget_bytes or 0))
-
-    def _free_bytes(self) -> int:
-        """Budget left (budget_bytes set): pages not free and checkpoint slots not free count."""
-        kv, st = self.kv_pool, self.state_pool
-        used = kv.num_used * kv.bytes_per_page + (st.num_checkpoints - st.num_free_checkpoints) * st.bytes_per_slot
-        return (self.budget_bytes or 0) - used
+    def _ahead_pages(self) -> int:
+        return math.ceil(self.config.evict_ahead * self.kv_pool.num_pages)
 
     # -- lookup ---------------------------------------------------------------------------
 
@@ -127,18 +139,27 @@ class StateRadixCache(PrefixCache):
         that of the tokens below it, and the result is the same as without it."""
         tokens = ids(tokens)
         base = self._start(start, tokens)
-        path, kv_len = walk(base, tokens, self.page_size)
+        path, full_len = walk(base, tokens, self.page_size)
         now = self._clock()
-        limit = min(kv_len, len(tokens) - 1)
-        node = next((x for x in reversed(path) if x.end <= limit and x.checkpoint is not None), None)
         for x in path:
             x.last_access = now
+        device = list(itertools.takewhile(lambda x: not x.host, path))
+        kv_len = full_len if len(device) == len(path) else device[-1].end if device else base.end
+        limit = min(kv_len, len(tokens) - 1)
+        node = next((x for x in reversed(device) if x.end <= limit and x.checkpoint is not None), None)
         if node is None:  # nothing deeper than start: the deepest checkpoint at or above it
             node = next((x for x in ancestors(base) if x.end <= limit and x.checkpoint is not None), self.root)
         last = path[-1] if path else base
-        branch = kv_len // self._g * self._g if self._leaves_path(tokens, last, kv_len) else 0
+        branch = full_len // self._g * self._g if self._leaves_path(tokens, last, full_len) else 0
         ckpt = Checkpoint(node.checkpoint, node.end) if node.checkpoint is not None else None
-        result = MatchResult(kv_len, node.end, node, ckpt, path_pages(node), branch)
+        deeper = min(full_len, len(tokens) - 1)
+        far = next((x for x in reversed(path) if node.end < x.end <= deeper and x.has_checkpoint), None)
+        host_len, host_bytes = 0, 0
+        if far is not None:  # what loading host entries would add
+            host_len = far.end
+            host_bytes = sum(len(x.pages) for x in path[len(device):] if x.end <= far.end) * self.kv_pool.bytes_per_page
+            host_bytes += self.ckpt_bytes if far.checkpoint is None else 0
+        result = MatchResult(kv_len, node.end, node, ckpt, path_pages(node), branch, host_len, far, host_bytes)
         if record_stats:
             self.record_lookup(len(tokens), result)
         return result
@@ -260,7 +281,9 @@ class StateRadixCache(PrefixCache):
                 if n < len(child.key):
                     child = self._split(child, n)
                 theirs = mine[pos // ps: pos // ps + len(child.pages)]
-                if theirs != child.pages:
+                if child.host:  # recomputed: the caller's device pages replace the host copy
+                    self._to_device(child, theirs)
+                elif theirs != child.pages:
                     dups += [m for m, t in zip(theirs, child.pages) if m != t]
             child.last_access = now
             got += child.pages
@@ -270,6 +293,7 @@ class StateRadixCache(PrefixCache):
         for p, slot in sorted(checkpoints.items()):
             at = self._node_at(base if p >= base.end else self.root, tokens, p)
             if at.checkpoint is None:
+                self._free_host_ckpt(at)  # the fresh state supersedes a copy on the host
                 at.checkpoint, at.resumed_at = slot, now
                 self.state_pool.seal(slot)
                 self._holders[slot] = at
@@ -288,6 +312,7 @@ class StateRadixCache(PrefixCache):
         upper = split(child, n, self.page_size)
         if not self.config.split_keeps_checkpoint and child.pins == 0:
             self._counters["evicted_checkpoints"] += self._drop_checkpoint(child)
+            self._free_host_ckpt(child)
         return upper
 
     def _node_at(self, root: Node, tokens: tuple[int, ...], pos: int) -> Node:
@@ -307,7 +332,10 @@ class StateRadixCache(PrefixCache):
         if base is not self.root and mine[below - 1] != base.pages[-1]:
             raise ValueError(f"kv_pages: page {below - 1} is not the tree's page at the end of start")
         path, kv_len = walk(base, tokens, self.page_size)
-        tree = [p for x in path for p in x.pages][: (kv_len - base.end) // ps]
+        device = list(itertools.takewhile(lambda x: not x.host, path))  # host pages are another id space
+        kv_len = min(kv_len, device[-1].end) if len(device) < len(path) and device else \
+            (kv_len if len(device) == len(path) else base.end)
+        tree = [p for x in device for p in x.pages][: (kv_len - base.end) // ps]
         mine = mine[below:]  # below start: the tree's pages (checked at the boundary)
         same = len(tree) if mine[: len(tree)] == tree else 0  # the tree's own pages, from a match
         for i, p in enumerate(mine[same:], start=same):
@@ -319,7 +347,7 @@ class StateRadixCache(PrefixCache):
                 raise ValueError(f"kv_pages: page {p} is free")
         if len(set(checkpoints.values())) != len(checkpoints):
             raise ValueError("checkpoints: a slot appears twice")
-        cached = {x.end: x.checkpoint for x in path if x.end <= kv_len}
+        cached = {x.end: x.checkpoint for x in device if x.end <= kv_len}
         if any(p <= base.end for p in checkpoints):  # positions at or above start: climb once
             cached.update((x.end, x.checkpoint) for x in ancestors(base))
         st = self.state_pool
@@ -338,9 +366,8 @@ class StateRadixCache(PrefixCache):
         if num_checkpoints < 0:
             raise ValueError(f"num_checkpoints must be >= 0, got {num_checkpoints}")
         pages = ckpts = 0
-        if self.budget_bytes is not None:  # one budget: the bytes of what was asked, in policy order
-            pages, ckpts = self._evict_bytes(num_pages * self.kv_pool.bytes_per_page
-                                             + num_checkpoints * self.state_pool.bytes_per_slot)
+        if self.unified:  # one budget: the pages of what was asked, in one policy order
+            pages, ckpts = self._evict_unified(num_pages + num_checkpoints * self.state_pool.pages_per_checkpoint)
         else:
             if num_pages:
                 pages, ckpts = self._evict_leaves(num_pages)
@@ -355,21 +382,21 @@ class StateRadixCache(PrefixCache):
         return EvictResult(pages, ckpts)
 
     def _leaf(self, x: Node) -> Candidate:
-        """x as an eviction candidate: its pages and its checkpoint go together."""
-        has = x.checkpoint is not None
-        nbytes = len(x.pages) * self.kv_pool.bytes_per_page + has * self.state_pool.bytes_per_slot
+        """x as an eviction candidate of its tier: its pages and its checkpoint there go together."""
+        has = (x.host_ckpt if x.host else x.checkpoint) is not None
+        nbytes = len(x.pages) * self.kv_pool.bytes_per_page + has * self.ckpt_bytes
         return Candidate(x.last_access, self._saved(x) if has else 0.0, nbytes, x)
 
     def _state(self, x: Node) -> Candidate:
         """x's checkpoint alone as an eviction candidate (the node keeps its KV). Its recency is
         when a request last resumed from it: lookups that pass through to a deeper checkpoint
         use the node's KV, not its state."""
-        return Candidate(x.resumed_at, self._saved(x), self.state_pool.bytes_per_slot, x)
+        return Candidate(x.resumed_at, self._saved(x), self.ckpt_bytes, x)
 
     def _saved(self, x: Node) -> float:
         """What losing x's checkpoint costs a request that would resume there: the FLOPs
         between it and the next checkpoint above it, where that request resumes instead."""
-        above = next((y.end for y in ancestors(x.parent) if y.checkpoint is not None), 0) if x.parent else 0
+        above = next((y.end for y in ancestors(x.parent) if y.has_checkpoint), 0) if x.parent else 0
         saved = self.flops(x.end) - self.flops(above)
         share = self.config.eviction_shadowed_share
         return saved * share if share < 1 and self._shadowed(x) else saved
@@ -381,24 +408,28 @@ class StateRadixCache(PrefixCache):
         between the two (a resend of a shorter prompt)."""
         while len(x.children) == 1:
             x = next(iter(x.children.values()))
-            if x.checkpoint is not None:
+            if x.has_checkpoint:
                 return True
         return False
 
+    def _ranked(self, cands: list[tuple[Candidate, bool]]) -> tuple[list, Callable[[Candidate], float]]:
+        """A heap of (priority, recency, tie, is_leaf, candidate) under the policy, and its scorer."""
+        score = self.policy.scorer([c for c, _ in cands])
+        heap = [(score(c), c.last_access, next(self._tie), leaf, c) for c, leaf in cands]
+        heapq.heapify(heap)
+        return heap, score
+
     def _evict_leaves(self, num_pages: int) -> tuple[int, int]:
         """Drop unlocked leaves (KV and checkpoint) in policy order; a parent left bare joins."""
-        leaves = [x for x in self._leaves if x.lock_ref == 0]
-        score = self.policy.scorer([self._leaf(x) for x in leaves])
-        tie = itertools.count()
-        heap = [(score(self._leaf(x)), x.last_access, next(tie), x) for x in leaves]
-        heapq.heapify(heap)
+        heap, score = self._ranked([(self._leaf(x), True) for x in self._leaves if x.lock_ref == 0])
         pages = ckpts = 0
         while pages < num_pages and heap:
-            x = heapq.heappop(heap)[-1]
+            x = heapq.heappop(heap)[-1].node
             p, c, parent = self._drop_leaf(x)
             pages, ckpts = pages + p, ckpts + c
             if parent is not None:
-                heapq.heappush(heap, (score(self._leaf(parent)), parent.last_access, next(tie), parent))
+                nxt = self._leaf(parent)
+                heapq.heappush(heap, (score(nxt), parent.last_access, next(self._tie), True, nxt))
         return pages, ckpts
 
     def _evict_checkpoints(self, num: int) -> int:
@@ -413,67 +444,229 @@ class StateRadixCache(PrefixCache):
         cands = [self._state(x) for x in nodes]
         score = self.policy.scorer(cands)
         order = sorted(range(len(nodes)), key=lambda i: (score(cands[i]), cands[i].last_access))
-        return sum(self._drop_checkpoint(nodes[i]) for i in order[:max(num, 0)])
+        return sum(self._evict_checkpoint(nodes[i]) for i in order[:max(num, 0)])
 
     def _checkpoint_tiers(self, inner_only: bool) -> tuple[list[Node], list[Node]]:
-        """Checkpoints that may be evicted: first the unlocked ones, then those locked only
-        from below (no request holds their own node; see PrefixCache.lock)."""
-        free = [x for x in self._holders.values() if x.lock_ref == 0 and (x.children or not inner_only)]
+        """Device checkpoints that may be evicted: first the unlocked ones (inner_only: not on a
+        device leaf, which goes as a whole), then those locked only from below (no request holds
+        their own node; see PrefixCache.lock)."""
+        free = [x for x in self._holders.values() if x.lock_ref == 0 and not (inner_only and x in self._leaves)]
         above = [x for x in self._holders.values() if x.lock_ref > 0 and x.pins == 0]
         return free, above
 
-    def _evict_bytes(self, nbytes: int) -> tuple[int, int]:
-        """Under a byte budget: free at least nbytes, dropping unlocked leaves (KV + checkpoint)
-        and lone checkpoints of inner nodes in one policy order."""
-        kv_bytes, ckpt_bytes = self.kv_pool.bytes_per_page, self.state_pool.bytes_per_slot
-        leaves = [x for x in self._leaves if x.lock_ref == 0]
+    def _evict_unified(self, num_pages: int) -> tuple[int, int]:
+        """One budget: free at least num_pages device pages, evicting unlocked device leaves (KV +
+        checkpoint) and lone checkpoints of inner nodes in one policy order; with a host tier
+        they move there instead of being dropped. Returns (KV pages, checkpoints) evicted."""
+        kv, ppc = self.kv_pool, self.state_pool.pages_per_checkpoint
         inner, above = self._checkpoint_tiers(inner_only=True)
-        cands = [(self._leaf(x), True) for x in leaves] + [(self._state(x), False) for x in inner]
-        score = self.policy.scorer([c for c, _ in cands])
-        tie = itertools.count()
-        heap = [(score(c), c.last_access, next(tie), leaf, c) for c, leaf in cands]
-        heapq.heapify(heap)
-        pages = ckpts = 0
-        while pages * kv_bytes + ckpts * ckpt_bytes < nbytes and heap:
+        heap, score = self._ranked([(self._leaf(x), True) for x in self._leaves if x.lock_ref == 0]
+                                   + [(self._state(x), False) for x in inner])
+        goal, pages, ckpts = kv.num_free + num_pages, 0, 0
+        while kv.num_free < goal and heap:
             *_, leaf, c = heapq.heappop(heap)
             x = c.node
-            if not leaf:  # a lone checkpoint (gone already if its node was dropped as a leaf)
-                ckpts += self._drop_checkpoint(x)
+            if not leaf:  # a lone checkpoint (gone already if its node went as a leaf)
+                ckpts += self._evict_checkpoint(x)
                 continue
+            if x.parent is None or x.host or x not in self._leaves:
+                continue  # evicted or moved meanwhile
             p, k, parent = self._drop_leaf(x)
             pages, ckpts = pages + p, ckpts + k
             if parent is not None:
                 nxt = self._leaf(parent)
-                heapq.heappush(heap, (score(nxt), parent.last_access, next(tie), True, nxt))
-        short = nbytes - pages * kv_bytes - ckpts * ckpt_bytes
+                heapq.heappush(heap, (score(nxt), parent.last_access, next(self._tie), True, nxt))
+        short = goal - kv.num_free
         if short > 0 and above:  # last resort: checkpoints above a running request
-            ckpts += self._evict_checkpoints_among(above, -(-short // ckpt_bytes))
+            ckpts += self._evict_checkpoints_among(above, -(-short // ppc))
         return pages, ckpts
 
     def _drop_leaf(self, x: Node) -> tuple[int, int, Node | None]:
-        """Remove leaf x (its pages and checkpoint); returns what it freed and its parent if
-        that became an unlocked leaf."""
+        """Evict device leaf x (its pages and checkpoint): to the host tier if there is one and it
+        has room, else dropped with whatever of its subtree is on the host. Returns the KV pages
+        and checkpoints it took off the device, and its parent if that became an unlocked leaf."""
         parent = x.parent
         assert parent is not None  # callers pass nodes of the tree
-        ckpts = self._drop_checkpoint(x)
-        pages = self.kv_pool.free(x.pages)
-        self._owned.difference_update(x.pages)
-        del parent.children[x.key[: self.page_size]]
-        x.parent = None
-        self._leaves.discard(x)
-        if parent is not self.root and not parent.children:
+        pages, ckpts = len(x.pages), int(x.checkpoint is not None)
+        if not self._demote(x):
+            self._discard(x)
+        if parent is not self.root and not any(not c.host for c in parent.children.values()):
             self._leaves.add(parent)
-        bare = parent is not self.root and not parent.children and parent.lock_ref == 0
+        bare = parent is not self.root and parent in self._leaves and parent.lock_ref == 0
         return pages, ckpts, parent if bare else None
+
+    def _discard(self, x: Node) -> None:
+        """Remove x and everything below it from the tree, freeing both tiers."""
+        parent = x.parent
+        assert parent is not None
+        del parent.children[x.key[: self.page_size]]
+        for y in [x, *iter_nodes(x)]:
+            self._drop_checkpoint(y)
+            self._free_host_ckpt(y)
+            if y.host:
+                self.host.free(y.pages)  # type: ignore[union-attr]
+                self._host_owned.difference_update(y.pages)
+                self._counters["host_evicted_pages"] += len(y.pages)
+            else:
+                self.kv_pool.free(y.pages)
+                self._owned.difference_update(y.pages)
+            self._leaves.discard(y)
+            self._host_leaves.discard(y)
+            y.parent = None
+        if parent.host and not parent.children:
+            self._host_leaves.add(parent)
+
+    # -- host tier ------------------------------------------------------------------------
+
+    def _copy(self, src: KVPool, src_pages: Sequence[int], dst: KVPool, dst_pages: Sequence[int]) -> None:
+        """Page contents from one pool to another (both tiers share one page layout)."""
+        nbytes = len(src_pages) * self.kv_pool.bytes_per_page
+        self._counters["bytes_to_host" if dst is self.host else "bytes_from_host"] += nbytes
+        if not src.buffers:
+            return
+        dev = dst.buffers[0][next(iter(dst.buffers[0]))].device
+        si, di = torch.tensor(list(src_pages), device=src.buffers[0][next(iter(src.buffers[0]))].device), \
+            torch.tensor(list(dst_pages), device=dev)
+        for s_layer, d_layer in zip(src.buffers, dst.buffers):
+            for name, buf in s_layer.items():
+                d_layer[name][di] = buf[si].to(dev, non_blocking=False)
+
+    def _host_alloc(self, n: int) -> list[int] | None:
+        """n host pages, evicting host entries in policy order if short; None if they do not fit."""
+        host = self.host
+        if host is None or n > host.num_pages:
+            return None
+        short = n - host.num_free
+        if short > 0:
+            self._evict_host(max(short, math.ceil(self.config.evict_ahead * host.num_pages)))
+        return host.alloc(n)
+
+    def _demote(self, x: Node) -> bool:
+        """Move device leaf x's pages and checkpoint to the host tier; False if there is none or
+        it has no room."""
+        ckpt = x.checkpoint
+        hp = self._host_alloc(len(x.pages) + (self.state_pool.pages_per_checkpoint if ckpt is not None else 0))
+        if hp is None:
+            return False
+        kv_hp = hp[:len(x.pages)]
+        self._copy(self.kv_pool, x.pages, self.host, kv_hp)  # type: ignore[arg-type]
+        self.kv_pool.free(x.pages)
+        self._owned.difference_update(x.pages)
+        x.pages, x.host = kv_hp, True
+        self._host_owned.update(hp)
+        self._leaves.discard(x)
+        if not x.children:
+            self._host_leaves.add(x)
+        if ckpt is not None:
+            self._checkpoint_to_host(x, hp[len(kv_hp):])
+        return True
+
+    def _checkpoint_to_host(self, x: Node, hp: list[int]) -> None:
+        self._copy(self.kv_pool, self.state_pool.pages_of(x.checkpoint), self.host, hp)  # type: ignore[arg-type]
+        self._drop_checkpoint(x)
+        x.host_ckpt = hp
+        self._host_ckpts.add(x)
+
+    def _evict_checkpoint(self, x: Node) -> int:
+        """Evict x's device checkpoint alone: to the host tier when it has room, else dropped."""
+        if x.checkpoint is None:
+            return 0
+        if self.host is not None and x.host_ckpt is None:
+            hp = self._host_alloc(self.state_pool.pages_per_checkpoint)
+            if hp is not None:
+                self._host_owned.update(hp)
+                self._checkpoint_to_host(x, hp)
+                return 1
+        return self._drop_checkpoint(x)
+
+    def _free_host_ckpt(self, x: Node) -> None:
+        if x.host_ckpt is not None:
+            self.host.free(x.host_ckpt)  # type: ignore[union-attr]
+            self._host_owned.difference_update(x.host_ckpt)
+            self._host_ckpts.discard(x)
+            x.host_ckpt = None
+
+    def _evict_host(self, num_pages: int) -> None:
+        """Free at least num_pages host pages: host leaves (KV + checkpoint) and lone host
+        checkpoints in policy order (never what load() is bringing back)."""
+        host = self.host
+        assert host is not None
+        heap, score = self._ranked(
+            [(self._leaf(x), True) for x in self._host_leaves if x not in self._loading]
+            + [(self._state(x), False) for x in self._host_ckpts if x not in self._host_leaves
+               and x not in self._loading])
+        goal = host.num_free + num_pages
+        while host.num_free < goal and heap:
+            *_, leaf, c = heapq.heappop(heap)
+            x = c.node
+            if not leaf:
+                self._free_host_ckpt(x)
+            elif x.parent is not None and x in self._host_leaves:
+                parent = x.parent
+                self._discard(x)
+                if parent in self._host_leaves and parent not in self._loading:
+                    nxt = self._leaf(parent)
+                    heapq.heappush(heap, (score(nxt), parent.last_access, next(self._tie), True, nxt))
+
+    def _to_device(self, x: Node, pages: list[int]) -> None:
+        """Host node x takes these device pages (holding its KV) and leaves the host tier."""
+        self.host.free(x.pages)  # type: ignore[union-attr]
+        self._host_owned.difference_update(x.pages)
+        self._host_leaves.discard(x)
+        x.pages, x.host = list(pages), False
+        self._owned.update(x.pages)
+        assert x.parent is not None
+        self._leaves.discard(x.parent)
+        if not any(not c.host for c in x.children.values()):
+            self._leaves.add(x)
+
+    def load(self, m: MatchResult) -> bool:
+        """Copy what m found on the host tier (m.host_node's KV path and checkpoint) back into
+        device pages, evicting under the budget as usual; True if m.host_len is now a device
+        hit (match again to use it), False if the device had no room (what was copied stays)."""
+        node = m.host_node
+        if node is None or node.parent is None:
+            return False
+        path = list(reversed(list(ancestors(node))))
+        held = next((x for x in reversed(path) if not x.host), self.root)
+        self.lock(held)
+        self._loading.update(path)
+        try:
+            for x in path:
+                if x.host:
+                    pages = self.alloc_pages(len(x.pages))
+                    if pages is None:
+                        return False
+                    self._copy(self.host, x.pages, self.kv_pool, pages)  # type: ignore[arg-type]
+                    self._to_device(x, pages)
+                    self.relock(held, x)
+                    held = x
+            if node.checkpoint is None:
+                slot = self.alloc_checkpoint(staged=False)
+                if slot is None:
+                    return False
+                self._copy(self.host, node.host_ckpt, self.kv_pool, self.state_pool.pages_of(slot))  # type: ignore
+                self._free_host_ckpt(node)
+                node.checkpoint = slot
+                self.state_pool.seal(slot)
+                self._holders[slot] = node
+                self._pinned_ckpts += node.pins > 0
+            self._counters["host_loads"] += 1
+            self._counters["host_hit_tokens"] += node.end - m.state_len
+            return True
+        finally:
+            self._loading.difference_update(path)
+            self.unlock(held)
 
     def drop_checkpoints(self, tokens: Sequence[int], positions: Sequence[int], below: Node | None = None) -> int:
         dropped = 0
         for p in positions:
             x = self._ending_at(tokens, p, below)
-            if x is None or x.checkpoint is None:
+            if x is None or not x.has_checkpoint:
                 continue
             if x.pins == 0:  # else a request holds this very node: it may restore from it
-                dropped += self._drop_checkpoint(x)
+                dropped += self._drop_checkpoint(x) or x.host_ckpt is not None
+                self._free_host_ckpt(x)
         self._counters["evicted_checkpoints"] += dropped
         return dropped
 
@@ -504,54 +697,52 @@ class StateRadixCache(PrefixCache):
         self.state_pool.restore(checkpoint.slot, active_slot)
 
     def alloc_pages(self, num_pages: int) -> list[int] | None:
-        if self.budget_bytes is None:
-            short = num_pages - self.kv_pool.num_free
-            if short > 0:
-                self.evict(num_pages=max(short, math.ceil(self.config.evict_ahead * self.kv_pool.num_pages)))
-            return self.kv_pool.alloc(num_pages)
-        short = num_pages * self.kv_pool.bytes_per_page - self._free_bytes()
+        short = num_pages - self.kv_pool.num_free
         if short > 0:
-            self._evicted(*self._evict_bytes(max(short, self._ahead_bytes())))
-        return self.kv_pool.alloc(num_pages) if num_pages <= self.free_pages else None
+            self.evict(num_pages=max(short, self._ahead_pages()))
+        return self.kv_pool.alloc(num_pages)
 
-    def alloc_checkpoint(self, keep_pages: int = 0) -> int | None:
+    def alloc_checkpoint(self, keep_pages: int = 0, staged: bool = True) -> int | None:
         st = self.state_pool
-        if self.budget_bytes is None:
+        if not self.unified:
             if st.num_free_checkpoints == 0:
                 self.evict(num_checkpoints=max(1, math.ceil(self.config.evict_ahead * st.num_checkpoints)))
             return st.alloc_checkpoint()
-        if (self.free_pages + self.evictable_pages) * self.kv_pool.bytes_per_page - st.bytes_per_slot \
-                < keep_pages * self.kv_pool.bytes_per_page:
+        need = st.pages_per_checkpoint
+        if self.free_pages + self.evictable_pages - need < keep_pages:
             return None  # the bytes are promised to running requests' pages
-        short = st.bytes_per_slot - self._free_bytes()
+        short = need - self.kv_pool.num_free
         if short > 0:
-            self._evicted(*self._evict_bytes(max(short, self._ahead_bytes())))
-        return st.alloc_checkpoint() if self._free_bytes() >= st.bytes_per_slot else None
+            self._evicted(*self._evict_unified(max(short, self._ahead_pages())))
+        return st.alloc_checkpoint(staged)
 
     def flush(self) -> None:
         if any(x.lock_ref for x in self.root.children.values()):
             raise RuntimeError("flush: nodes are still locked by running requests")
-        for x in list(iter_nodes(self.root)):
-            self._drop_checkpoint(x)
-            self.kv_pool.free(x.pages)
-            x.parent = None
-        self.root.children.clear()
-        self._owned.clear()
+        for x in list(self.root.children.values()):
+            self._discard(x)
         self._leaves.clear()
 
     def stats(self) -> CacheStats:
-        kv, st = self.kv_pool, self.state_pool
+        kv, st, host = self.kv_pool, self.state_pool, self.host
+        ppc = st.pages_per_checkpoint  # 0 unless unified: checkpoints are pages of the KV pool
+        ckpt_total = kv.num_pages // ppc if ppc else st.num_checkpoints
         return CacheStats(
-            **self._counters, flops_saved=self._flops_saved,
+            **{k: v for k, v in self._counters.items() if k in CacheStats._fields}, flops_saved=self._flops_saved,
             pages_total=kv.num_pages, pages_free=kv.num_free,
-            pages_cached=len(self._owned), pages_locked=self._locked_pages,
-            checkpoints_total=st.num_checkpoints, checkpoints_free=st.num_free_checkpoints,
+            pages_cached=len(self._owned) + len(self._holders) * ppc, pages_locked=self._locked_pages,
+            checkpoints_total=ckpt_total, checkpoints_free=ckpt_total - st.num_used_checkpoints,
             checkpoints_cached=len(self._holders), checkpoints_locked=self._pinned_ckpts,
             active_total=st.num_active, active_free=st.num_free_active,
+            page_bytes=kv.bytes_per_page, checkpoint_bytes=self.ckpt_bytes, unified=self.unified,
+            checkpoints_used=st.num_used_checkpoints,
+            host_pages_total=host.num_pages if host else 0, host_pages_free=host.num_free if host else 0,
+            host_pages_cached=len(self._host_owned) - self.state_pool.pages_per_checkpoint * len(self._host_ckpts),
+            host_checkpoints_cached=len(self._host_ckpts),
         )
 
     def check_integrity(self) -> None:
-        ps, seen = self.page_size, []
+        ps, seen, host_seen = self.page_size, list[int](), list[int]()
         ckpts = locked_pages = locked_ckpts = 0
         for x in iter_nodes(self.root):
             where = f"node [{x.start}, {x.end})"
@@ -561,24 +752,44 @@ class StateRadixCache(PrefixCache):
                 raise IntegrityError(f"{where}: not linked under its parent")
             if x.lock_ref - sum(c.lock_ref for c in x.children.values()) != x.pins:
                 raise IntegrityError(f"{where}: {x.lock_ref} locks, {x.pins} on it, the rest not below it")
+            if x.host and (x.lock_ref or x.checkpoint is not None or self.host is None):
+                raise IntegrityError(f"{where}: on the host but locked or holding a device checkpoint")
+            if not x.host and x.parent.host:
+                raise IntegrityError(f"{where}: on the device below a node on the host")
             if x.checkpoint is not None:
                 if x.end % self._g or not self.state_pool.is_sealed(x.checkpoint):
                     raise IntegrityError(f"{where}: checkpoint slot {x.checkpoint} off grid or not sealed")
-                if self._holders.get(x.checkpoint) is not x:
-                    raise IntegrityError(f"{where}: checkpoint slot {x.checkpoint} missing from the holder map")
+                if self._holders.get(x.checkpoint) is not x or x.host_ckpt is not None:
+                    raise IntegrityError(f"{where}: checkpoint slot {x.checkpoint} missing from the holder map, "
+                                         "or held in both tiers")
                 ckpts += 1
                 locked_ckpts += x.pins > 0
+            if x.host_ckpt is not None:
+                if x.end % self._g or x not in self._host_ckpts:
+                    raise IntegrityError(f"{where}: host checkpoint off grid or not in the host checkpoint set")
+                host_seen.extend(x.host_ckpt)
             locked_pages += len(x.pages) if x.lock_ref else 0
-            seen.extend(x.pages)
+            (host_seen if x.host else seen).extend(x.pages)
         if len(set(seen)) != len(seen) or set(seen) != self._owned:
             raise IntegrityError("tree: a page is held twice or the page set is stale")
-        if self._leaves != {x for x in iter_nodes(self.root) if not x.children}:
+        if len(set(host_seen)) != len(host_seen) or set(host_seen) != self._host_owned:
+            raise IntegrityError("tree: a host page is held twice or the host page set is stale")
+        nodes = list(iter_nodes(self.root))
+        if self._leaves != {x for x in nodes if not x.host and all(c.host for c in x.children.values())}:
             raise IntegrityError("tree: the leaf set is stale")
+        if self._host_leaves != {x for x in nodes if x.host and not x.children} or \
+                self._host_ckpts != {x for x in nodes if x.host_ckpt is not None}:
+            raise IntegrityError("tree: the host leaf or host checkpoint set is stale")
         if any(self.kv_pool.refcount(p) < 1 for p in seen):
             raise IntegrityError("tree: holds a page that the pool has free")
+        if self.host is not None:
+            if any(self.host.refcount(p) != 1 for p in host_seen) or self.host.num_used != len(host_seen):
+                raise IntegrityError("host tier: a page is shared, free, or held by nobody")
+            self.host.check_integrity()
         counted = (len(self._holders), self._locked_pages, self._pinned_ckpts, self.state_pool.num_sealed)
         if counted != (ckpts, locked_pages, locked_ckpts, ckpts):
             raise IntegrityError(f"tree: counters {counted} != recount {(ckpts, locked_pages, locked_ckpts, ckpts)}")
+        if self.unified and self.kv_pool.num_used < len(seen) + ckpts * self.state_pool.pages_per_checkpoint:
+            raise IntegrityError("budget: the tree holds more pages than the KV pool has in use")
         self.kv_pool.check_integrity()
         self.state_pool.check_integrity()
-

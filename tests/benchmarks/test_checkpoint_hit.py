@@ -74,7 +74,7 @@ def test_vllm_align_never_hits_prompts_under_its_block():
     head = run_of(1, 300)
     reqs = reqs_of(*[head + run_of(2 + i, 100) for i in range(4)])
     assert hits("vllm-align", reqs)["token_hit_rate"] == 0.0
-    assert hits("ours", reqs)["token_hit_rate"] > 0.3
+    assert hits("ours-unified", reqs)["token_hit_rate"] > 0.3
 
 
 def test_sglang_no_buffer_misses_an_identical_resend():
@@ -84,7 +84,7 @@ def test_sglang_no_buffer_misses_an_identical_resend():
     p = run_of(5, 1000)
     reqs = reqs_of(p, p)
     assert hits("sglang-no-buffer", reqs)["token_hit_rate"] == 0.0
-    assert hits("ours", reqs)["token_hit_rate"] == pytest.approx(960 / 2000)
+    assert hits("ours-unified", reqs)["token_hit_rate"] == pytest.approx(960 / 2000)
 
 
 def test_marconi_hits_at_a_branch_point_from_the_third_request():

@@ -139,7 +139,7 @@ def test_no_calibration_for_policies_that_ignore_the_cost_model(kimi_path, monke
     def forbidden(*a, **k):
         raise AssertionError("calibrated although the policy never reads the cost model")
 
-    small = dict(dtype="float32", memory_gb=3.5e-5, max_running=2, page_size=16, token_budget=64)
+    small = dict(dtype="float32", memory_gb=5.3e-5, max_running=2, page_size=16, token_budget=64)
     with monkeypatch.context() as m:
         m.setattr(cal, "calibrate", forbidden)
         eng = Engine(model=str(kimi_path), policy="tokens", **small)

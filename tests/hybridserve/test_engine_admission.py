@@ -101,7 +101,7 @@ def test_cached_tokens_stay_within_the_prompt_after_a_retraction(model):
     are checkpointed every 64 tokens, so its path keeps one after the pool takes its tail); the
     usage's cached_tokens of every request still counts prompt tokens only."""
     eng = _engine(model, policy="budget", token_budget=256, decode_reserve=0.25, memory_gb=0.0005,
-                  checkpoint_interval=64)
+                  checkpoint_interval=64, checkpoint_share=0.5)  # a plan whose KV pool forces retractions
     params = SamplingParams(max_tokens=400, ignore_eos=True)
     rids = [eng.add_request(harness.prompt(97, n, i), params) for i, n in enumerate([20, 52, 36, 44])]
     starts = []

@@ -184,9 +184,9 @@ def test_a_long_path_of_checkpoints_never_blocks_its_own_continuation():
     from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache
     from tests.scheduler.helpers import COST
 
-    kv = KVPool(400, 64, [{"kv": (1, 4)}])  # 512 B a page
-    states = StatePool(2, 40, [{"s": ((1024,), torch.float32)}])  # 4 KiB (8 pages) a checkpoint
-    cache = StateRadixCache(kv, states, {"kda": 64}, CacheConfig(checkpoint_interval=64), budget_bytes=60 * 512)
+    kv = KVPool(60, 64, [{"kv": (1, 4)}])  # one budget of 60 pages of 512 B
+    states = StatePool(2, 40, [{"s": ((1024,), torch.float32)}], arena=kv)  # 4 KiB (8 pages) a checkpoint
+    cache = StateRadixCache(kv, states, {"kda": 64}, CacheConfig(checkpoint_interval=64))
     clock = SimClock()
     s = Scheduler(cache, SchedulerConfig(policy="serial", max_running=1), COST, clock)
     ex = SimExecutor(COST, clock, token=7)

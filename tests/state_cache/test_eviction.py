@@ -152,47 +152,99 @@ def test_flops_models():
         PrefillFlops(1.0, -1.0)
 
 
+def _unified(pages: int, policy=None, host_pages: int | None = None, config=None) -> StateRadixCache:
+    """One budget of `pages` pages of 16 B; a checkpoint (96 B) takes 6 of them."""
+    kv = KVPool(pages, 2, [{"kv": (1, 4)}])
+    host = KVPool(host_pages, 2, [{"kv": (1, 4)}]) if host_pages is not None else None
+    return StateRadixCache(kv, StatePool(1, 8, STATE_LAYERS, arena=kv), {"kda": 2}, config, policy=policy, host=host)
+
+
 def test_one_byte_budget_evicts_either_kind_in_policy_order():
-    """Under one byte budget the candidates of both kinds are ranked together: a page
-    allocation frees an inner node's checkpoint alone when the policy ranks it lowest, a
-    checkpoint allocation frees KV; bytes held never exceed the budget, locked nodes stay."""
+    """Under one byte budget (checkpoints stored in the KV pool's pages) the candidates of both
+    kinds are ranked together: a page allocation frees an inner node's checkpoint alone when
+    the policy ranks it lowest, a checkpoint allocation frees KV; locked nodes stay."""
 
     class LargestFirst(LRUPolicy):
         def scorer(self, candidates):
             return lambda c: -c.nbytes
 
-    def held(cache):
-        st = cache.state_pool
-        return cache.kv_pool.num_used * pb + (st.num_checkpoints - st.num_free_checkpoints) * cb
-
-    kv, st = KVPool(64, 2, [{"kv": (1, 4)}]), StatePool(1, 8, STATE_LAYERS)
-    pb, cb = kv.bytes_per_page, st.bytes_per_slot  # 16 B a page, 96 B a checkpoint
-    cache = StateRadixCache(kv, st, {"kda": 2}, budget_bytes=8 * pb + cb, policy=LargestFirst())
+    cache = _unified(14, LargestFirst())
+    assert cache.state_pool.pages_per_checkpoint == 6 and cache.budget_bytes == 14 * 16
     a = list(range(8))
-    _insert(cache, a, [4])  # 4 pages and an inner checkpoint at 4: 160 B of 224
-    locked = _insert(cache, [50, 51, 52, 53])  # 2 more pages (192 B), kept locked
+    _insert(cache, a, [4])  # 4 pages and an inner checkpoint at 4: 10 pages of 14
+    locked = _insert(cache, [50, 51, 52, 53])  # 2 more pages, kept locked
     cache.lock(locked.node)
-    assert cache.free_pages == 2 and cache.capacity_pages == 14
-    pages = cache.alloc_pages(3)  # 16 B short: the 96 B checkpoint ranks lowest and goes alone
+    assert cache.free_pages == 2 and cache.evictable_pages == 10
+    pages = cache.alloc_pages(3)  # 1 page short: the 6-page checkpoint ranks lowest and goes alone
     assert pages is not None and cache.stats().evicted_checkpoints == 1 and cache.stats().evicted_pages == 0
     assert cache.match_prefix(a).kv_len == 8 and cache.match_prefix(a).state_len == 0  # the KV stayed
-    assert held(cache) <= cache.budget_bytes
-    kv.free(pages)
+    cache.kv_pool.free(pages)
 
-    lru = StateRadixCache(KVPool(64, 2, [{"kv": (1, 4)}]), StatePool(1, 8, STATE_LAYERS), {"kda": 2},
-                          budget_bytes=8 * pb + cb)
+    lru = _unified(14)
     _insert(lru, a)  # 4 pages, oldest
-    _insert(lru, [60, 61, 62, 63], [4])  # 2 pages + a checkpoint: 160 B
-    slot = lru.alloc_checkpoint()  # 96 B needed, 64 free: the oldest KV (a's leaf) goes for it
+    _insert(lru, [60, 61, 62, 63], [4])  # 2 pages + a checkpoint: 12 pages
+    slot = lru.alloc_checkpoint()  # 6 pages needed, 2 free: the oldest KV (a's leaf) goes for it
     assert slot is not None and lru.match_prefix(a).kv_len == 0
     assert lru.match_prefix([60, 61, 62, 63, 0]).state_len == 4
-    assert held(lru) <= lru.budget_bytes
+    assert lru.kv_pool.num_free == 0
     lru.state_pool.free(slot)
     cache.unlock(locked.node)
     for c in (cache, lru):
         c.check_integrity()
         c.flush()
         assert c.kv_pool.num_free == c.kv_pool.num_pages and c.state_pool.num_free_checkpoints == 8
+
+
+def test_host_tier_keeps_what_the_device_evicts_and_loads_it_back():
+    """With a host tier, device eviction moves a leaf (KV + checkpoint) to the host instead of
+    dropping it; a lookup then reports the deeper host hit (host_len, the bytes to copy), and
+    load() brings it back: the same match as before the eviction, with the same bytes."""
+    cache = _unified(14, host_pages=20)
+    kv_pool = cache.kv_pool
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    pages = cache.alloc_pages(4)
+    slot = cache.alloc_checkpoint()
+    cache.insert(a, pages, {8: slot})  # 4 pages + a checkpoint at 8: 10 of 14
+    before = cache.match_prefix(a + [0])
+    assert before.state_len == 8 and before.host_len == 0
+    assert cache.alloc_pages(14) is not None  # everything must go: to the host
+    after = cache.match_prefix(a + [0])
+    assert (after.kv_len, after.state_len, after.host_len) == (0, 0, 8)
+    assert after.host_bytes == 4 * 16 + 6 * 16
+    st_ = cache.stats()
+    assert (st_.host_pages_cached, st_.host_checkpoints_cached, st_.bytes_to_host) == (4, 1, 10 * 16)
+    assert not cache.load(after)  # no device room: nothing is lost
+    cache.check_integrity()
+    kv_pool.free(list(range(14)))
+    assert cache.load(cache.match_prefix(a + [0]))
+    again = cache.match_prefix(a + [0])
+    assert (again.kv_len, again.state_len, again.host_len) == (8, 8, 0)
+    assert cache.stats().host_hit_tokens == 8 and cache.stats().host_pages_cached == 0
+    cache.check_integrity()
+
+
+def test_host_tier_eviction_and_recompute_replace_host_copies():
+    """A full host tier evicts its own leaves in policy order (the oldest under lru), and a
+    request that recomputes a prefix held on the host replaces the host copy with its pages."""
+    cache = _unified(10, host_pages=4, config=CacheConfig(eviction="lru"))
+    old, new = [1, 2, 3, 4], [5, 6, 7, 8]
+    _insert(cache, old)
+    _insert(cache, new)
+    held = cache.alloc_pages(10)  # both leaves move to the host (2 + 2 pages: it is full)
+    assert cache.stats().host_pages_cached == 4
+    cache.kv_pool.free(held)
+    third = _insert(cache, [9, 10, 11, 12])
+    held = cache.alloc_pages(10)  # the third leaf needs host room: the oldest host leaf goes
+    m_old, m_new = cache.match_prefix(old + [0]), cache.match_prefix(new + [0])
+    assert m_old.host_len == 0 and cache.match_prefix(old).kv_len == 0
+    assert cache.stats().host_evicted_pages == 2 and cache.stats().host_pages_cached == 4
+    assert third.node.host
+    cache.kv_pool.free(held)
+    mine = cache.alloc_pages(2)
+    res = cache.insert(new, mine)  # recomputed: the fresh device pages replace the host copy
+    assert res.pages == mine and not res.node.host and cache.stats().host_pages_cached == 2
+    assert m_new.host_len == 0  # no checkpoint on that path: KV alone is no usable host hit
+    cache.check_integrity()
 
 
 def test_shadowed_and_unused_checkpoints_go_first():

@@ -1,8 +1,11 @@
-"""Random insert / match / lock / unlock / evict / split sequences against a brute-force model.
+"""Random insert / match / lock / unlock / evict / split / load sequences against a brute-force model.
 
 The model keeps what should be cached as plain dicts: every page-aligned prefix the tree
-holds -> its page, every checkpointed prefix -> its slot. Page and slot contents encode the
-prefix they belong to, so a page reused while still cached shows up as a wrong value.
+holds on the device -> its page, every checkpointed prefix -> its slot, and the same for the
+host tier. Page and slot contents encode the prefix they belong to, so a page reused while
+still cached, or a round trip through the host that changes a byte, shows up as a wrong value.
+Three memory modes: two pools bounded apart (the static split), one budget (checkpoints in
+the KV pool's pages), one budget plus a host tier.
 """
 from __future__ import annotations
 
@@ -16,17 +19,20 @@ from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache
 TOKENS = st.lists(st.integers(0, 2), max_size=20).map(tuple)
 
 
-def tree_contents(cache: StateRadixCache) -> tuple[dict[tuple, int], dict[tuple, int]]:
-    """{prefix: page} and {prefix: checkpoint slot} read off the tree."""
+def tree_contents(cache: StateRadixCache, host: bool = False) -> tuple[dict[tuple, int], dict[tuple, object]]:
+    """{prefix: page} and {prefix: checkpoint slot} read off the tree's device tier (host: the
+    host tier's pages and checkpoints' page lists)."""
     kv, ck, ps = {}, {}, cache.page_size
     stack = [(cache.root, ())]
     while stack:
         node, prefix = stack.pop()
-        for i, page in enumerate(node.pages):
-            kv[prefix + node.key[: (i + 1) * ps]] = page
+        if node.host == host:
+            for i, page in enumerate(node.pages):
+                kv[prefix + node.key[: (i + 1) * ps]] = page
         full = prefix + node.key
-        if node.checkpoint is not None:
-            ck[full] = node.checkpoint
+        ckpt = tuple(node.host_ckpt) if host and node.host_ckpt is not None else None if host else node.checkpoint
+        if ckpt is not None:
+            ck[full] = ckpt
         stack.extend((c, full) for c in node.children.values())
     return kv, ck
 
@@ -35,20 +41,25 @@ class CacheMachine(RuleBasedStateMachine):
     @initialize(
         page=st.sampled_from([1, 2, 3]), g_pages=st.sampled_from([1, 2]),
         policy=st.sampled_from(["lru", "utility"]), num_pages=st.integers(4, 40),
-        num_ckpts=st.integers(1, 5), budget=st.one_of(st.none(), st.floats(0.1, 1.0)),
+        num_ckpts=st.integers(1, 5), mode=st.sampled_from(["split", "unified", "host"]), host_pages=st.integers(0, 30),
     )
-    def setup(self, page, g_pages, policy, num_pages, num_ckpts, budget):
-        """budget: None for two pools bounded apart, else one byte budget of that share of both
-        pools' bytes (checkpoint slots hold 2 values: a checkpoint costs as much as 2 tokens)."""
+    def setup(self, page, g_pages, policy, num_pages, num_ckpts, mode, host_pages):
+        """mode: "split" for two pools bounded apart; "unified" for one budget, the KV pool's
+        pages (a checkpoint holds 3 values: 1-3 pages); "host" for that plus a host tier of
+        host_pages pages. num_ckpts: checkpoint slots, or staging rows under one budget."""
         kv = KVPool(num_pages, page, [{"kv": (1,)}], torch.float64, "cpu")
-        sp = StatePool(1, num_ckpts, [{"s": ((2,), torch.float64)}], "cpu")
-        total = num_pages * kv.bytes_per_page + num_ckpts * sp.bytes_per_slot
-        self.budget = None if budget is None else int(budget * total)
+        self.budget = mode != "split"
+        sp = StatePool(1, num_ckpts, [{"s": ((3,), torch.float64)}], "cpu", arena=kv if self.budget else None)
+        self.host = KVPool(host_pages, page, [{"kv": (1,)}], torch.float64, "cpu") if mode == "host" else None
         self.cache = StateRadixCache(kv, sp, {"kda": page * g_pages}, CacheConfig(eviction=policy), flops=(1.0, 0.5),
-                                     budget_bytes=self.budget)
+                                     host=self.host)
+        self.active = sp.alloc_active()
+        self.ppc = sp.pages_per_checkpoint
         self.ps, self.g = page, page * g_pages
         self.ref_kv: dict[tuple, int] = {}
         self.ref_ck: dict[tuple, int] = {}
+        self.ref_hkv: dict[tuple, int] = {}
+        self.ref_hck: dict[tuple, object] = {}
         self.ids: dict[tuple, int] = {}
         self.locks: list[tuple[object, tuple]] = []
         self.known: list[tuple] = []
@@ -58,19 +69,49 @@ class CacheMachine(RuleBasedStateMachine):
     def _id(self, prefix: tuple) -> float:
         return float(self.ids.setdefault(prefix, len(self.ids) + 1))
 
-    def _sync_after_eviction(self) -> None:
-        """Drop from the model what the cache evicted, checking that it may have."""
+    def _sync_after_eviction(self, loaded: bool = False) -> None:
+        """Drop from the model what the cache evicted (or moved to the host), checking that it
+        may have: nothing appears, device pages keep their ids (loaded: or came back from the host
+        holding what they held there), host pages hold what they held."""
         kv, ck = tree_contents(self.cache)
-        assert set(kv) <= set(self.ref_kv) and set(ck) <= set(self.ref_ck), "eviction invented data"
-        assert all(kv[p] == self.ref_kv[p] for p in kv) and all(ck[p] == self.ref_ck[p] for p in ck)
+        hkv, hck = tree_contents(self.cache, host=True)
+        known_kv, known_ck = set(self.ref_kv) | set(self.ref_hkv), set(self.ref_ck) | set(self.ref_hck)
+        assert set(kv) | set(hkv) <= known_kv and set(ck) | set(hck) <= known_ck, "eviction invented data"
+        for p, page in kv.items():
+            if p in self.ref_kv:
+                assert page == self.ref_kv[p]
+            else:
+                assert loaded and p in self.ref_hkv
+                assert self.cache.kv_pool.buffers[0]["kv"][page, 0, 0].item() == self._id(p), "loaded page differs"
+        for p, slot in ck.items():
+            if p in self.ref_ck:
+                assert slot == self.ref_ck[p]
+            else:
+                assert loaded and p in self.ref_hck
+                assert self._checkpoint_value(slot) == self._id(p), "loaded checkpoint differs"
         for p in kv:
             assert all(p[:i] in kv for i in range(self.ps, len(p), self.ps)), "KV kept without its prefix"
-        assert all(p in kv for p in ck), "checkpoint kept without its KV"
+        for p in hkv:
+            assert all(p[:i] in kv or p[:i] in hkv for i in range(self.ps, len(p), self.ps)), "host KV without prefix"
+        assert all(p in kv or p in hkv for p in set(ck) | set(hck)), "checkpoint kept without its KV"
+        if self.host is not None:
+            for p, page in hkv.items():
+                assert self.host.buffers[0]["kv"][page, 0, 0].item() == self._id(p), "host page holds other data"
         for p in self._protected_kv():
             assert p in kv, f"evicted locked KV {p}"
         for p in self._protected_ck():
             assert p in ck, f"evicted locked checkpoint {p}"
-        self.ref_kv, self.ref_ck = kv, ck
+        self.ref_kv, self.ref_ck, self.ref_hkv, self.ref_hck = kv, ck, hkv, hck
+
+    def _write_checkpoint(self, slot: int, prefix: tuple) -> None:
+        self.cache.state_pool.buffers[0]["s"][self.cache.state_pool.row(slot)] = self._id(prefix)  # every value
+
+    def _checkpoint_value(self, slot: int) -> float:
+        sp = self.cache.state_pool
+        sp.restore(slot, self.active)
+        values = sp.buffers[0]["s"][self.active]
+        assert (values == values[0]).all(), "a checkpoint's bytes were mixed up"
+        return values[0].item()
 
     def _protected_kv(self) -> set[tuple]:
         return {t[:i] for _, t in self.locks for i in range(self.ps, len(t) + 1, self.ps)}
@@ -114,17 +155,20 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.state_pool.free(slot)
                 slot = self.ref_ck[tokens[:pos]]
             elif slot is not None:
-                self.cache.state_pool.buffers[0]["s"][slot] = self._id(tokens[:pos])  # both values
+                self._write_checkpoint(slot, tokens[:pos])
             if slot is not None:
                 ckpts[pos] = slot
-        before = set(self.ref_kv)
+        before = set(self.ref_kv) | set(self.ref_hkv)
         res = self.cache.insert(tokens, mine, ckpts)
         for i in range(n_full):
             prefix = tokens[: (i + 1) * self.ps]
-            assert res.pages[i] == self.ref_kv.get(prefix, mine[i])
+            assert res.pages[i] == self.ref_kv.get(prefix, mine[i])  # a host copy gives way to the fresh page
             self.ref_kv[prefix] = res.pages[i]
+            self.ref_hkv.pop(prefix, None)
         for pos, slot in ckpts.items():
-            self.ref_ck.setdefault(tokens[:pos], slot)
+            if tokens[:pos] not in self.ref_ck:
+                self.ref_ck[tokens[:pos]] = slot
+                self.ref_hck.pop(tokens[:pos], None)
         assert res.new_pages == len(set(self.ref_kv) - before)
         assert res.node.end == n_full * self.ps
         if lock:
@@ -145,15 +189,23 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.state_pool.free(slot)
         if slot is None or prefix not in self.ref_kv:
             return
-        self.cache.state_pool.buffers[0]["s"][slot] = self._id(prefix)
+        self._write_checkpoint(slot, prefix)
         pages = [self.ref_kv[prefix[:i]] for i in range(self.ps, len(prefix) + 1, self.ps)]
         res = self.cache.insert(prefix, pages, {len(prefix): slot})
         assert (res.new_pages, res.freed_pages, res.new_checkpoints, res.pages) == (0, 0, 1, pages)
         self.ref_ck[prefix] = slot
+        self.ref_hck.pop(prefix, None)
 
-    @rule(tokens=TOKENS)
-    def match(self, tokens):
+    def _lookup(self, tokens: tuple, data) -> tuple:
+        """tokens, or often a known sequence plus one token (so lookups find what was cached)."""
+        if self.known and data.draw(st.booleans()):
+            return data.draw(st.sampled_from(self.known)) + (0,)
+        return tokens
+
+    @rule(tokens=TOKENS, data=st.data())
+    def match(self, tokens, data):
         """match_prefix agrees with the model on kv_len, state_len, pages and contents."""
+        tokens = self._lookup(tokens, data)
         m = self.cache.match_prefix(tokens)
         kv_len, state_len = self._expected_match(tokens)
         assert (m.kv_len, m.state_len, m.node.end) == (kv_len, state_len, state_len)
@@ -163,9 +215,31 @@ class CacheMachine(RuleBasedStateMachine):
             assert kv[p, 0, 0].item() == self._id(tokens[: (i + 1) * self.ps]), "page reused while cached"
         if state_len:
             assert m.checkpoint.slot == self.ref_ck[tokens[:state_len]]
-            assert self.cache.state_pool.buffers[0]["s"][m.checkpoint.slot, 1].item() == self._id(tokens[:state_len])
+            assert self._checkpoint_value(m.checkpoint.slot) == self._id(tokens[:state_len])
         else:
             assert m.checkpoint is None
+        deeper = [p for p in range(state_len + self.g, len(tokens), self.g) if tokens[:p] in self.ref_hck
+                  or tokens[:p] in self.ref_ck and tokens[:p] in self.ref_hkv]
+        assert m.host_len == max(deeper, default=0), "host_len is not the deepest checkpoint the host tier adds"
+
+    @rule(tokens=TOKENS, data=st.data())
+    def load(self, tokens, data):
+        """Loading a host hit makes it a device hit with the same bytes, or fails for lack of
+        room and loses nothing."""
+        tokens = self._lookup(tokens, data)
+        m = self.cache.match_prefix(tokens, record_stats=False)
+        if not m.host_len:
+            return
+        ok = self.cache.load(m)
+        self._sync_after_eviction(loaded=True)
+        after = self.cache.match_prefix(tokens, record_stats=False)
+        if ok:
+            assert after.state_len == m.host_len
+        if after.state_len:
+            assert self._checkpoint_value(after.checkpoint.slot) == self._id(tokens[:after.state_len])
+        kv = self.cache.kv_pool.buffers[0]["kv"]
+        for i, p in enumerate(after.pages):
+            assert kv[p, 0, 0].item() == self._id(tokens[: (i + 1) * self.ps]), "a page changed on its round trip"
 
     @rule(tokens=TOKENS)
     def lock(self, tokens):
@@ -188,15 +262,15 @@ class CacheMachine(RuleBasedStateMachine):
         unlocked_kv = len(set(self.ref_kv) - self._protected_kv())
         unlocked_ck = len(set(self.ref_ck) - self._protected_ck())
         res = self.cache.evict(num_pages=num_pages, num_checkpoints=num_ckpts)
-        assert res.pages == self.cache.kv_pool.num_free - kv_free
-        assert res.checkpoints == self.cache.state_pool.num_free_checkpoints - ck_free
-        if self.budget is None:
+        if not self.budget:
+            assert res.pages == self.cache.kv_pool.num_free - kv_free
+            assert res.checkpoints == self.cache.state_pool.num_free_checkpoints - ck_free
             assert res.pages >= min(num_pages, unlocked_kv)
             assert res.checkpoints >= min(num_ckpts, unlocked_ck)
-        else:
-            pb, cb = self.cache.kv_pool.bytes_per_page, self.cache.state_pool.bytes_per_slot
-            freed, asked = res.pages * pb + res.checkpoints * cb, num_pages * pb + num_ckpts * cb
-            assert freed >= min(asked, unlocked_kv * pb + unlocked_ck * cb)
+        else:  # checkpoints are pages of the KV pool
+            freed = self.cache.kv_pool.num_free - kv_free
+            assert freed == res.pages + res.checkpoints * self.ppc
+            assert freed >= min(num_pages + num_ckpts * self.ppc, unlocked_kv + unlocked_ck * self.ppc)
         self._sync_after_eviction()
 
     @invariant()
@@ -206,18 +280,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check_integrity()
         kv, ck = tree_contents(self.cache)
         assert kv == self.ref_kv and ck == self.ref_ck
-        assert self.cache.kv_pool.num_used == len(kv)
+        assert tree_contents(self.cache, host=True) == (self.ref_hkv, self.ref_hck)
         locked_kv, locked_ck = self._protected_kv(), self._protected_ck()
         stats = self.cache.stats()
         assert (stats.pages_locked, stats.checkpoints_locked) == (len(locked_kv), len(locked_ck))
-        assert self.cache.state_pool.num_checkpoints - self.cache.state_pool.num_free_checkpoints == len(ck)
-        if self.budget is None:
+        if not self.budget:
+            assert self.cache.kv_pool.num_used == len(kv)
+            assert self.cache.state_pool.num_checkpoints - self.cache.state_pool.num_free_checkpoints == len(ck)
             assert self.cache.evictable_pages == len(kv) - len(locked_kv)
             return
-        pb, cb = self.cache.kv_pool.bytes_per_page, self.cache.state_pool.bytes_per_slot
-        unlocked = (len(kv) - len(locked_kv)) * pb + (len(ck) - len(locked_ck)) * cb
-        assert self.cache.evictable_pages == unlocked // pb
-        assert len(kv) * pb + len(ck) * cb <= self.budget, "the cache holds more bytes than its budget"
+        assert self.cache.kv_pool.num_used == len(kv) + len(ck) * self.ppc, "pages held outside the one budget"
+        assert self.cache.evictable_pages == len(kv) - len(locked_kv) + (len(ck) - len(locked_ck)) * self.ppc
+        if self.host is not None:
+            assert self.host.num_used == len(self.ref_hkv) + len(self.ref_hck) * self.ppc
 
     def teardown(self):
         if not hasattr(self, "cache"):
@@ -228,6 +303,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.check_integrity()
         assert self.cache.kv_pool.num_free == self.cache.kv_pool.num_pages
         assert self.cache.state_pool.num_free_checkpoints == self.cache.state_pool.num_checkpoints
+        assert self.host is None or self.host.num_free == self.host.num_pages
 
 
 CacheMachine.TestCase.settings = settings(
