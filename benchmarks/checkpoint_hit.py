@@ -32,6 +32,9 @@ CAPACITIES = {"mooncake": [10, 40, 160, 640]}  # GB; the larger ones are more th
 SMALL_CAPACITIES = [2.5, 10, 40]  # the generated traces are smaller: they fit in 40 GB
 DEFAULT_MOONCAKE = 2000  # requests of the Mooncake hour in the default run (the first ~9 minutes)
 REFERENCES = ("unbounded", "offline")
+SWEPT = [p for p in POLICIES if p.startswith("ours-split-") or "+host" in p]  # the memory study's variants
+DEFAULT = [p for p in POLICIES if p not in SWEPT]
+MEMORY = ["ours-unified", "ours-split", *SWEPT, "unbounded"]
 
 
 @lru_cache(maxsize=None)
@@ -58,7 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", nargs="+", default=TRACES, help=f"trace names ({', '.join(TRACES)})")
     ap.add_argument("--trace", action="append", default=[], help="also replay this JSONL trace file")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", choices=list(POLICIES),
+                    help="default: one of each engine's policies; --memory: the memory study's")
+    ap.add_argument("--memory", action="store_true",
+                    help="the memory study: one budget against the static split at every checkpoint_share of the "
+                         "sweep, and with the host tiers (writes checkpoint_memory.*)")
     ap.add_argument("--capacities", nargs="+", type=float,
                     help=f"cache GB (1e9 bytes) for every trace (default: {CAPACITIES['mooncake']} for mooncake, "
                          f"{SMALL_CAPACITIES} for the others)")
@@ -76,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
         real()
         return
     n = None if args.full else args.mooncake_requests
+    args.policies = args.policies or (MEMORY if args.memory else DEFAULT)
+    if args.memory and args.json == RESULTS / "checkpoint_hit.json":
+        args.json = RESULTS / "checkpoint_memory.json"
     names = [t for t in args.traces] + args.trace
     def capacities(t: str) -> list[float]:
         return args.capacities or CAPACITIES.get(t, SMALL_CAPACITIES)
@@ -85,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(jobs, args.jobs)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
-    from benchmarks.checkpoint_report import report
+    from benchmarks.checkpoint_report import memory_report, report
 
-    report(rows, args.json.with_suffix(".md"), args.json.parent)
+    (memory_report if args.memory else report)(rows, args.json.with_suffix(".md"), args.json.parent)
 
 
 def run(jobs: list, workers: int) -> list[dict]:

@@ -117,3 +117,86 @@ def plot_ttft(rows: list[dict], path: Path, trace: str = "mooncake") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _share(policy: str) -> float | None:
+    """The checkpoint_share of a static-split policy, else None."""
+    p = POLICIES[policy]
+    return p.state_share if policy.startswith("ours-split") else None
+
+
+def memory_table(rows: list[dict]) -> str:
+    """Markdown: per trace and device capacity, the one budget against every static split (the
+    best marked) and with each host tier, beside the unbounded bound."""
+    lines = ["| trace | device GB | ours-unified | best static split (share) | worst static split (share) | "
+             + " | ".join(p for p in POLICIES if "+host" in p) + " | unbounded |",
+             "|---|---|---|---|---|" + "---|" * sum("+host" in p for p in POLICIES) + "---|"]
+    for name, trace_rows in by_trace(rows).items():
+        bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), float("nan"))
+        for cap in sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"}):
+            at = {r["policy"]: r for r in trace_rows if r["capacity_bytes"] == cap}
+            splits = sorted((at[p]["token_hit_rate"], _share(p)) for p in at if _share(p) is not None)
+            if "ours-unified" not in at or not splits:
+                continue
+            host = " | ".join(f"{at[p]['token_hit_rate']:.1%}" if p in at else "-" for p in POLICIES if "+host" in p)
+            lines.append(f"| {name} | {cap / GB:g} | {at['ours-unified']['token_hit_rate']:.1%} | "
+                         f"{splits[-1][0]:.1%} ({splits[-1][1]:g}) | {splits[0][0]:.1%} ({splits[0][1]:g}) | "
+                         f"{host} | {bound:.1%} |")
+    return "\n".join(lines)
+
+
+def memory_report(rows: list[dict], md_path: Path, out_dir: Path) -> None:
+    text = ["# Memory study (simulated: Kimi-Linear-48B-A3B on one H200)", "",
+            "Token hit rate (state hits) of the one byte budget against the static split at every checkpoint_share "
+            "of the sweep, and with host tiers beside the device capacity. Every figure is a simulation.", "",
+            memory_table(rows)]
+    for r in rows:
+        if "+host" in r["policy"]:
+            base = next((b for b in rows if b["trace"] == r["trace"] and b["policy"] == "ours-unified"
+                         and b["capacity_bytes"] == r["capacity_bytes"]), None)
+            if base:
+                text.append(f"- {r['trace']} {r['capacity_bytes'] / GB:g} GB + {r['host_bytes'] / GB:g} GB host: "
+                            f"host hits {r['host_hit_rate']:.1%} of prompt tokens, {r['host_loads']} loads, "
+                            f"{r['host_recomputes']} recomputed instead; TTFT p50 {r['ttft_p50_s']:.2f} s "
+                            f"(device only {base['ttft_p50_s']:.2f} s), p95 {r['ttft_p95_s']:.2f} s "
+                            f"({base['ttft_p95_s']:.2f} s)")
+    md_path.write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    plot_memory(rows, out_dir / "checkpoint_memory.png")
+
+
+def plot_memory(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = by_trace(rows)
+    fig, axes = plt.subplots(1, len(traces), figsize=(5.2 * len(traces), 4.2), squeeze=False)
+    for ax, (name, trace_rows) in zip(axes.flat, traces.items()):
+        caps = sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"})
+        for i, cap in enumerate(caps):
+            color = f"C{i}"
+            at = [r for r in trace_rows if r["capacity_bytes"] == cap]
+            pts = sorted((_share(r["policy"]), r["token_hit_rate"]) for r in at if _share(r["policy"]) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=color, label=f"static split, {cap / GB:g} GB")
+            for r in at:
+                if r["policy"] == "ours-unified":
+                    ax.axhline(r["token_hit_rate"], color=color, lw=2.4, label=f"one budget, {cap / GB:g} GB")
+                elif "+host" in r["policy"]:
+                    ax.axhline(r["token_hit_rate"], color=color, ls=":", lw=2,
+                               label=f"one budget + {r['host_bytes'] / GB:g} GB host, {cap / GB:g} GB")
+        bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), None)
+        if bound is not None:
+            ax.axhline(bound, color="black", ls="--", label="unbounded (bound)")
+        ax.set_title(name)
+        ax.set_xlabel("checkpoint_share of the static split")
+        ax.set_ylabel("token hit rate (state hits)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("One byte budget vs static KV/checkpoint split, and a host tier\n"
+                 "(Kimi-Linear-48B on one H200, simulated; higher is better)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
