@@ -15,6 +15,7 @@ is a simulation unless it says measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -50,10 +51,14 @@ def trace(name: str, mooncake_requests: int | None) -> tuple[TraceRequest, ...]:
     return tuple(load(name))
 
 
-def point(args: tuple[str, str, float, int | None]) -> dict:
-    name, policy, capacity, mooncake_requests = args
+def point(args: tuple[str, str, float, int | None, float | None]) -> dict:
+    name, policy, capacity, mooncake_requests, recency = args
+    replayed = POLICIES[policy]
+    if recency is not None and policy.startswith("ours"):
+        replayed = dataclasses.replace(replayed, cache=dataclasses.replace(replayed.cache,
+                                                                           eviction_recency_weight=recency))
     t0 = time.perf_counter()
-    row = replay(trace(name, mooncake_requests), POLICIES[policy], capacity)
+    row = replay(trace(name, mooncake_requests), replayed, capacity)
     return {"trace": Path(name).stem, **row, "wall_s": time.perf_counter() - t0}
 
 
@@ -75,6 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     ap.add_argument("--json", type=Path, default=RESULTS / "checkpoint_hit.json",
                     help="where to write the rows (the .md summary and the PNGs go beside it)")
+    ap.add_argument("--recency-weight", type=float,
+                    help="eviction_recency_weight of the ours-* policies (default: CacheConfig's)")
     ap.add_argument("--real", action="store_true", help="check the engine's counters against the replay instead")
     args = ap.parse_args(argv)
     if args.real:
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     def capacities(t: str) -> list[float]:
         return args.capacities or CAPACITIES.get(t, SMALL_CAPACITIES)
 
-    jobs = [(t, p, c * GB, n) for t in names for p in args.policies
+    jobs = [(t, p, c * GB, n, args.recency_weight) for t in names for p in args.policies
             for c in ([0.0] if p == "unbounded" else capacities(t))]
     rows = run(jobs, args.jobs)
     args.json.parent.mkdir(parents=True, exist_ok=True)

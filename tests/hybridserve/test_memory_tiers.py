@@ -81,3 +81,16 @@ def test_metrics_show_bytes_per_tier_and_host_hits(model):  # noqa: F811
         st.checkpoints_used * st.checkpoint_bytes > 0
     assert series["hybridserve_host_hit_tokens_total"] == st.host_hit_tokens > 0
     assert series["hybridserve_host_bytes_written_total"] == st.bytes_to_host > 0
+
+
+def test_memory_settings_are_checked():
+    """A host tier needs the one budget; negative or zero sizes are refused, naming the field."""
+    from hybridserve import EngineConfig
+
+    with pytest.raises(ValueError, match="host_memory_gb: a host tier needs the one budget"):
+        EngineConfig.from_settings(host_memory_gb=1.0, checkpoint_share=0.5)
+    with pytest.raises(ValueError, match="host_memory_gb must be >= 0"):
+        EngineConfig.from_settings(host_memory_gb=-1.0)
+    with pytest.raises(ValueError, match="staging_rows must be >= 1"):
+        EngineConfig.from_settings(staging_rows=0)
+    assert EngineConfig().checkpoint_share is None and EngineConfig().host_memory_gb == 0

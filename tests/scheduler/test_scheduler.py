@@ -228,3 +228,40 @@ def test_requests_that_part_early_do_not_wait():
     reqs = [req(f"r{i}", prompt(20 + i, 300)) for i in range(4)]
     run(s, ex, reqs)
     assert s.counters["shared_waits"] == 0 and s.counters["prefill_tokens"] == 4 * 300
+
+
+def test_host_hits_load_when_the_copy_is_cheaper_than_recompute():
+    """A prefix pushed to the host tier comes back when bytes / host link beats the predicted
+    prefill it saves (the copy's time is charged to the next round), and is recomputed when
+    the link is priced slower; either way the request's tokens and the cache stay consistent."""
+    import dataclasses
+
+    from hybridserve.sim import SimClock, SimExecutor
+    from scheduler import Scheduler, SchedulerConfig
+    from state_cache import CacheConfig, KVPool, StatePool, StateRadixCache
+    from tests.scheduler.helpers import COST, prompt, req
+
+    def run(link: float):
+        kv = KVPool(40, 64, [{"kv": (1, 4)}])  # 40 pages of 512 B
+        cache = StateRadixCache(kv, StatePool(2, 4, [{"s": ((512,), torch.float32)}], arena=kv), {"kda": 64},
+                                CacheConfig(), host=KVPool(400, 64, [{"kv": (1, 4)}]))
+        cost = dataclasses.replace(COST, host_bytes_per_s=link)
+        clock = SimClock()
+        s, ex = Scheduler(cache, SchedulerConfig(policy="serial", max_running=2), cost, clock), SimExecutor(cost, clock)
+        target = prompt(1, 640)
+        copies = []
+        for i, p in enumerate([target] + [prompt(10 + i, 640) for i in range(3)] + [target]):
+            r = req(f"r{i}", p, new=2)
+            s.add(r)
+            while s.has_work():
+                b = s.schedule()
+                copies.append(b.copy_s)
+                s.process(b, ex.run(b))
+            cache.check_integrity()
+        return s, cache, r, copies
+
+    fast, cache, last, copies = run(50e9)
+    assert fast.counters["host_loads"] == 1 and cache.stats().host_hit_tokens > 0
+    assert last.cached_tokens == 576 and max(copies) > 0
+    slow, cache, last, _ = run(1.0)  # one byte per second: recomputing is cheaper
+    assert slow.counters["host_loads"] == 0 and slow.counters["host_recomputes"] == 1 and last.cached_tokens == 0

@@ -148,3 +148,47 @@ def test_pools_on_cuda_copy_bit_exact():
     for buf in st.buffers[0].values():
         assert torch.equal(buf[b], buf[a])
     assert st.buffers[0]["recurrent"].dtype == torch.float32
+
+
+def test_arena_checkpoints_live_in_kv_pages_bit_exact():
+    """With an arena, a checkpoint takes ceil(state bytes / page bytes) pages of the KV pool;
+    a staged one is written through its row and moved into the pages by seal(), a save()d one
+    goes straight there; restore() gives back every layer's state bit for bit, in its own
+    dtype; free() returns the pages and the row."""
+    kv = KVPool(40, 16, MLA, torch.bfloat16, "cpu")
+    pool = StatePool(2, 1, KDA, "cpu", arena=kv)
+    need = -(-state_bytes_per_slot(KDA) // kv.bytes_per_page)
+    assert pool.pages_per_checkpoint == need and pool.checkpoint_bytes == need * kv.bytes_per_page
+    a, b = pool.alloc_active(), pool.alloc_active()
+    g = torch.Generator().manual_seed(0)
+    for layer in pool.buffers:
+        for buf in layer.values():
+            buf[a] = torch.randn(buf[a].shape, generator=g).to(buf.dtype)
+    staged = pool.alloc_checkpoint()
+    assert kv.num_free == 40 - need and pool.alloc_checkpoint() is None  # one staging row only
+    for layer in pool.buffers:
+        for buf in layer.values():
+            buf[pool.row(staged)] = buf[a]
+    pool.seal(staged)
+    with pytest.raises(ValueError, match="no staging row"):
+        pool.row(staged)
+    direct = pool.alloc_checkpoint(staged=False)
+    pool.save(a, direct)
+    for layer in pool.buffers:
+        for buf in layer.values():
+            buf[a].zero_()  # the active slot and the staging row hold nothing of it now
+    for ckpt in (staged, direct):
+        pool.restore(ckpt, b)
+        for layer in pool.buffers:
+            for buf in layer.values():
+                buf[a] = buf[b]
+        assert all(torch.equal(buf[b], buf[a]) for layer in pool.buffers for buf in layer.values())
+    ref = {name: buf[b].clone() for layer in pool.buffers for name, buf in layer.items()}
+    pool.restore(staged, b)
+    assert all(torch.equal(buf[b], ref[name]) for layer in pool.buffers for name, buf in layer.items())
+    assert any(buf[b].abs().sum() > 0 for layer in pool.buffers for buf in layer.values())
+    pool.check_integrity()
+    pool.free(staged)
+    pool.free(direct)
+    assert kv.num_free == 40 and pool.num_free_checkpoints == 1 and pool.num_used_checkpoints == 0
+    pool.check_integrity()

@@ -106,3 +106,20 @@ def test_plan_rejects_bad_arguments(kwargs, field):
 
 if __name__ == "__main__":
     print(figures())
+
+
+def test_unified_plan_shares_one_pool_of_pages():
+    """The one budget: active slots and staging rows (at most max_running) off the top, every
+    other byte in pages that KV and checkpoints share; the host tier sized in the same pages."""
+    kv, st = kimi_linear_specs(BUILTIN, torch.float32)
+    tok, slot = kv_bytes_per_token(kv, torch.bfloat16), state_bytes_per_slot(st)
+    budget = 64 << 20
+    plan = plan_memory(kv, st, budget_bytes=budget, page_size=16, max_running=8, staging_rows=4,
+                       host_bytes=1 << 30)
+    assert plan.unified and plan.num_checkpoints == 4
+    assert plan.num_pages == (budget - 12 * slot) // (16 * tok)
+    assert plan.host_pages == (1 << 30) // (16 * tok) and plan.pages_per_checkpoint == -(-slot // (16 * tok))
+    assert "one budget" in plan.report() and "host tier" in plan.report()
+    assert plan_memory(kv, st, budget_bytes=budget, page_size=16, max_running=2, staging_rows=8).num_checkpoints == 2
+    kv_pool, state_pool = make_pools(plan, kv, st, torch.bfloat16, None)
+    assert state_pool.arena is kv_pool and state_pool.pages_per_checkpoint == plan.pages_per_checkpoint
