@@ -135,13 +135,17 @@ def memory_table(rows: list[dict]) -> str:
         bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), float("nan"))
         for cap in sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"}):
             at = {r["policy"]: r for r in trace_rows if r["capacity_bytes"] == cap}
-            splits = sorted((at[p]["token_hit_rate"], _share(p)) for p in at if _share(p) is not None)
+            splits = sorted((at[p]["token_hit_rate"], _share(p)) for p in at
+                            if _share(p) is not None and not at[p].get("rejected"))
+            refused = sorted(f"{_share(p):g}" for p in at if _share(p) is not None and at[p].get("rejected"))
             if "ours-unified" not in at or not splits:
                 continue
             host = " | ".join(f"{at[p]['token_hit_rate']:.1%}" if p in at else "-" for p in POLICIES if "+host" in p)
             lines.append(f"| {name} | {cap / GB:g} | {at['ours-unified']['token_hit_rate']:.1%} | "
                          f"{splits[-1][0]:.1%} ({splits[-1][1]:g}) | {splits[0][0]:.1%} ({splits[0][1]:g}) | "
-                         f"{host} | {bound:.1%} |")
+                         f"{host} | {bound:.1%} |"
+                         + (f" static split at {', '.join(refused)} refuses requests longer than its KV pool" if refused
+                            else ""))
     return "\n".join(lines)
 
 
@@ -172,13 +176,16 @@ def plot_memory(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     traces = by_trace(rows)
-    fig, axes = plt.subplots(1, len(traces), figsize=(5.2 * len(traces), 4.2), squeeze=False)
+    cols = min(3, len(traces))
+    fig, axes = plt.subplots(-(-len(traces) // cols), cols, figsize=(5.2 * cols, 3.8 * -(-len(traces) // cols)),
+                             squeeze=False)
     for ax, (name, trace_rows) in zip(axes.flat, traces.items()):
         caps = sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"})
         for i, cap in enumerate(caps):
             color = f"C{i}"
             at = [r for r in trace_rows if r["capacity_bytes"] == cap]
-            pts = sorted((_share(r["policy"]), r["token_hit_rate"]) for r in at if _share(r["policy"]) is not None)
+            pts = sorted((_share(r["policy"]), r["token_hit_rate"]) for r in at
+                         if _share(r["policy"]) is not None and not r.get("rejected"))
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=color, label=f"static split, {cap / GB:g} GB")
             for r in at:
@@ -190,13 +197,15 @@ def plot_memory(rows: list[dict], path: Path) -> None:
         bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), None)
         if bound is not None:
             ax.axhline(bound, color="black", ls="--", label="unbounded (bound)")
-        ax.set_title(name)
+        ax.set_title(f"{name} (colour: device capacity)")
         ax.set_xlabel("checkpoint_share of the static split")
         ax.set_ylabel("token hit rate (state hits)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("One byte budget vs static KV/checkpoint split, and a host tier\n"
-                 "(Kimi-Linear-48B on one H200, simulated; higher is better)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
+        ax.legend(fontsize=6.5, loc="lower center")
+    for ax in list(axes.flat)[len(traces):]:
+        ax.axis("off")
+    fig.suptitle("One byte budget (solid) vs static KV/checkpoint split (markers), and a host tier (dotted)\n"
+                 "Kimi-Linear-48B on one H200, simulated; higher is better", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -214,12 +214,14 @@ def replay(reqs: Sequence[TraceRequest], policy: Replayed, capacity: float, max_
     sched = Scheduler(cache, config, cost, clock)
     script = {f"r{i}": r.output for i, r in enumerate(reqs)}
     runs = [Req(f"r{i}", list(r.prompt), len(r.output), arrival=r.arrival) for i, r in enumerate(reqs)]
-    simulate(sched, SimExecutor(cost, clock, token=lambda q: script[q.rid][len(q.output_ids)]), runs)
+    fits = [r for r in runs if r.max_len <= sched.kv_capacity_tokens]  # the engine refuses the others
+    simulate(sched, SimExecutor(cost, clock, token=lambda q: script[q.rid][len(q.output_ids)]), fits)
+    rejected, runs = len(runs) - len(fits), fits
     st = cache.stats()
     ttft = np.array([r.first_token_at - r.arrival for r in runs])
     held = st.checkpoints_total - st.checkpoints_free
     return {
-        "policy": policy.name, "capacity_bytes": capacity, "requests": len(runs),
+        "policy": policy.name, "capacity_bytes": capacity, "requests": len(runs), "rejected": rejected,
         "prompt_tokens": st.lookup_tokens,
         "token_hit_rate": st.state_hit_tokens / max(st.lookup_tokens, 1),
         "kv_hit_rate": st.kv_hit_tokens / max(st.lookup_tokens, 1),
