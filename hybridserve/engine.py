@@ -258,8 +258,7 @@ class Engine:
         kv, st, host = self.cache.kv_pool, self.cache.state_pool, self.cache.host
         return {"kv_pages_held": kv.num_pages - kv.num_free,
                 "active_slots_held": st.num_active - st.num_free_active,
-                "checkpoint_slots_held": st.num_checkpoints - st.num_free_checkpoints + st.num_used_checkpoints
-                * (st.arena is not None),
+                "checkpoint_slots_held": st.num_used_checkpoints,
                 **({"host_pages_held": host.num_pages - host.num_free} if host else {})}
 
     def stats(self) -> dict:

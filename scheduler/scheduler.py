@@ -291,8 +291,7 @@ class Scheduler:
 
     def _copy_time(self) -> float:
         """Seconds of host-tier traffic (both directions) since the last round."""
-        st = self.cache.stats()
-        moved, self._moved = self._moved, st.bytes_to_host + st.bytes_from_host
+        moved, self._moved = self._moved, self.cache.host_bytes_moved
         return self.cost.copy_time(self._moved - moved) if self._moved > moved and self.cost.host_bytes_per_s else 0.0
 
     def _expire(self, now: float) -> None:

@@ -290,6 +290,11 @@ class PrefixCache(ABC):
         staged: a forward will write it (it needs a staging row under the unified budget);
         False for one filled by save()."""
 
+    @property
+    def host_bytes_moved(self) -> int:
+        """Bytes copied between the device and the host tier since start, both ways (0 without one)."""
+        return 0
+
     def load(self, m: MatchResult) -> bool:
         """Bring m's host-tier part (m.host_node) back to the device; True if m.host_len is now a
         device hit. A cache without a host tier has nothing to load."""

@@ -107,6 +107,10 @@ class StateRadixCache(PrefixCache):
         return self._g
 
     @property
+    def host_bytes_moved(self) -> int:
+        return self._counters["bytes_to_host"] + self._counters["bytes_from_host"]
+
+    @property
     def budget_bytes(self) -> int | None:
         """The one byte budget of KV and checkpoints (unified), else None."""
         return self.kv_pool.num_pages * self.kv_pool.bytes_per_page if self.unified else None
@@ -143,8 +147,7 @@ class StateRadixCache(PrefixCache):
         now = self._clock()
         for x in path:
             x.last_access = now
-        device = list(itertools.takewhile(lambda x: not x.host, path))
-        kv_len = full_len if len(device) == len(path) else device[-1].end if device else base.end
+        device, kv_len = _on_device(base, path, full_len)
         limit = min(kv_len, len(tokens) - 1)
         node = next((x for x in reversed(device) if x.end <= limit and x.checkpoint is not None), None)
         if node is None:  # nothing deeper than start: the deepest checkpoint at or above it
@@ -331,10 +334,7 @@ class StateRadixCache(PrefixCache):
         below = base.end // ps
         if base is not self.root and mine[below - 1] != base.pages[-1]:
             raise ValueError(f"kv_pages: page {below - 1} is not the tree's page at the end of start")
-        path, kv_len = walk(base, tokens, self.page_size)
-        device = list(itertools.takewhile(lambda x: not x.host, path))  # host pages are another id space
-        kv_len = min(kv_len, device[-1].end) if len(device) < len(path) and device else \
-            (kv_len if len(device) == len(path) else base.end)
+        device, kv_len = _on_device(base, *walk(base, tokens, self.page_size))  # host pages: another id space
         tree = [p for x in device for p in x.pages][: (kv_len - base.end) // ps]
         mine = mine[below:]  # below start: the tree's pages (checked at the boundary)
         same = len(tree) if mine[: len(tree)] == tree else 0  # the tree's own pages, from a match
@@ -553,7 +553,7 @@ class StateRadixCache(PrefixCache):
         self.kv_pool.free(x.pages)
         self._owned.difference_update(x.pages)
         x.pages, x.host = kv_hp, True
-        self._host_owned.update(hp)
+        self._host_owned.update(kv_hp)
         self._leaves.discard(x)
         if not x.children:
             self._host_leaves.add(x)
@@ -562,6 +562,8 @@ class StateRadixCache(PrefixCache):
         return True
 
     def _checkpoint_to_host(self, x: Node, hp: list[int]) -> None:
+        """x's device checkpoint into host pages hp (freshly allocated), the device slot freed."""
+        self._host_owned.update(hp)
         self._copy(self.kv_pool, self.state_pool.pages_of(x.checkpoint), self.host, hp)  # type: ignore[arg-type]
         self._drop_checkpoint(x)
         x.host_ckpt = hp
@@ -574,7 +576,6 @@ class StateRadixCache(PrefixCache):
         if self.host is not None and x.host_ckpt is None:
             hp = self._host_alloc(self.state_pool.pages_per_checkpoint)
             if hp is not None:
-                self._host_owned.update(hp)
                 self._checkpoint_to_host(x, hp)
                 return 1
         return self._drop_checkpoint(x)
@@ -793,3 +794,12 @@ class StateRadixCache(PrefixCache):
             raise IntegrityError("budget: the tree holds more pages than the KV pool has in use")
         self.kv_pool.check_integrity()
         self.state_pool.check_integrity()
+
+
+def _on_device(base: Node, path: list[Node], full_len: int) -> tuple[list[Node], int]:
+    """The device part of a path walked from base (a prefix of it: nodes on the host sit below
+    device ones) and the length of the tokens it covers."""
+    device = list(itertools.takewhile(lambda x: not x.host, path))
+    if len(device) == len(path):
+        return device, full_len
+    return device, device[-1].end if device else base.end
