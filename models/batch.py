@@ -62,6 +62,7 @@ class ForwardBatch:
     num_decodes: int
     memory: Memory
     extras: dict = field(default_factory=dict)  # per-forward caches models may fill
+    cp: Any = None  # ContextParallel (models/layers/context_parallel.py) when ranks share one segment
 
     @property
     def num_tokens(self) -> int:

@@ -6,10 +6,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from kernels.attention import write_kv
 from kernels.kda import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers.context_parallel import store_kv
 from models.layers.linear import Linear, fused_linear, joined
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         c, k_rope = kv.split([self.r, self.rope], -1)
         latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
-        write_kv(cache, None, batch.kv_slots, latent[:, None])
+        store_kv(batch, cache, None, latent[:, None])
         w_uk, w_uv = self.kv_b_proj.weight.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
         attn = kernels.get("attention", x.device)

@@ -8,9 +8,9 @@ from torch import nn
 
 import kernels
 from kernels import native
-from kernels.attention import write_kv
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers import context_parallel
 from models.layers.linear import Linear
 from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
@@ -84,6 +84,7 @@ class Mamba2Mixer(nn.Module):
             lambda rows, s0: step(*args(rows), initial_state=s0, output_final_state=True,
                                   cu_seqlens=torch.arange(rows.stop - rows.start + 1, device=dev)),
             lambda rows, st, slots: native.ssd_step(*args(rows), st, slots),  # CPU: states in place
+            lambda cp, rows, s0, ck: context_parallel.ssd_prefill(cp, chunk, *args(rows), s0, ck, self.chunk),
         )  # [T, H, P] fp32
         return self.out_proj(self.norm(y.reshape(t, -1), z))
 
@@ -109,7 +110,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
         cache = batch.memory.kv[self.kv_idx]
-        write_kv(cache["k"], cache["v"], batch.kv_slots, k, v)
+        context_parallel.store_kv(batch, cache["k"], cache["v"], k, v)
         attn = kernels.get("attention", x.device)
         o = attn(q, cache["k"], cache["v"], batch.page_table, batch.cu_seqlens, batch.seq_lens,
                  self.d**-0.5)  # [T, H, D]

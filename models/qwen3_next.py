@@ -9,10 +9,10 @@ from torch import nn
 
 import kernels
 from kernels import native
-from kernels.attention import write_kv
 from kernels.gdn import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers.context_parallel import store_kv
 from models.layers.linear import Linear, fused_linear
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
@@ -128,7 +128,7 @@ class GatedAttention(nn.Module):
         cos, sin = rope_cos_sin(batch, self.rot, self.theta)
         q, k = self.norm_rope(q, self.q_norm, cos, sin), self.norm_rope(k, self.k_norm, cos, sin)
         caches = batch.memory.kv[self.kv_idx]  # name -> [num_pages, page_size, Hkv, D]
-        write_kv(caches["k"], caches["v"], batch.kv_slots, k, v)
+        store_kv(batch, caches["k"], caches["v"], k, v)
         attn = kernels.get("attention", x.device)
         o = attn(q, caches["k"], caches["v"], batch.page_table, batch.cu_seqlens, batch.seq_lens,
                  self.d**-0.5)  # [T, H, D]

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 import kernels
 from kernels import native
 from models.batch import ForwardBatch
+from models.layers import context_parallel
+from models.layers.context_parallel import ContextParallel
 from models.layers.norm import l2norm
 
 # prefill(rows, initial [Np, ...], cu_seqlens [Np+1], checkpoint_at [C] | None)
@@ -23,13 +25,20 @@ Decode = Callable[[slice, torch.Tensor], tuple]
 InPlace = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
+# cp_prefill(cp, rows, initial [1, ...], checkpoint_at [C] | None) -> as Prefill, for one segment
+#   split across ranks (models/layers/context_parallel.py); `final` is the segment's
+CPPrefill = Callable[[ContextParallel, slice, torch.Tensor, torch.Tensor | None], tuple]
+
+
 def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, decode: Decode,
-                   decode_in_place: InPlace | None = None) -> torch.Tensor:
+                   decode_in_place: InPlace | None = None, cp_prefill: CPPrefill | None = None) -> torch.Tensor:
     """Run `prefill` on the prefill segments and `decode` on the decode rows.
 
     Each segment starts from the state in its slot (zeros when prefix_len == 0; decode rows
     always have a prefix). Afterwards every segment's final state is in its slot (in place,
     in the slot's dtype) and every requested checkpoint state is in its checkpoint slot.
+    Under context parallelism (`batch.cp`: this rank's slice of one segment) `cp_prefill`
+    runs instead, and every rank ends with the segment's final state and all its checkpoints.
     Returns the outputs in packing order.
     """
     slots = batch.state_slots
@@ -37,12 +46,21 @@ def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, d
     outs = []
     if n_pre:  # prefill
         init = state[slots[:n_pre]]  # [Np, ...] (a copy)
-        init[batch.prefix_lens[:n_pre] == 0] = 0
         ck = batch.checkpoint_at if batch.checkpoint_at.numel() else None
-        out, final, *ck_states = prefill(slice(0, t_pre), init, batch.cu_seqlens[: n_pre + 1], ck)
+        if batch.cp is None:
+            init[batch.prefix_lens[:n_pre] == 0] = 0
+            out, final, *ck_states = prefill(slice(0, t_pre), init, batch.cu_seqlens[: n_pre + 1], ck)
+        elif cp_prefill is None:
+            raise NotImplementedError("this layer has no context-parallel prefill")
+        else:  # one segment, this rank's slice of it
+            if batch.cp.prefix_len == 0:
+                init.zero_()
+            out, final, *ck_states = cp_prefill(batch.cp, slice(0, t_pre), init, ck)
         state[slots[:n_pre]] = final.to(state.dtype)
         if ck is not None:
             state[batch.checkpoint_slots] = ck_states[0].to(state.dtype)
+        if batch.cp is not None:
+            batch.cp.share_checkpoints(state)
         outs.append(out)
     if batch.num_decodes:  # decode
         rows = slice(t_pre, batch.num_tokens)
@@ -67,6 +85,7 @@ def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight
         lambda r, s0, cu, ck: conv(x[r], weight, bias, s0, cu_seqlens=cu, activation=activation, checkpoint_at=ck),
         lambda r, s0: step(x[r], weight, bias, s0, activation=activation),
         lambda r, st, slots: native.conv_step(x[r], weight, bias, st, slots, silu),
+        lambda cp, r, s0, ck: context_parallel.conv_prefill(cp, conv, x[r], weight, bias, activation, s0, ck),
     )
 
 
@@ -92,6 +111,7 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
         lambda r, s0: step(*args(r), initial_state=s0, output_final_state=True,
                            cu_seqlens=torch.arange(r.stop - r.start + 1, device=q.device)),
         in_place,
+        lambda cp, r, s0, ck: context_parallel.delta_rule_prefill(cp, chunk, *args(r), s0, ck),
     )
 
 

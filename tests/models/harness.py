@@ -61,16 +61,16 @@ class PagedRunner:
                 buf[seq.slot] = buf[checkpoint_slot]
         seq.tokens = list(tokens)
 
+    def segment(self, seq: Seq, new: list[int], checkpoints=()) -> Segment:
+        """The segment extending `seq` by `new`, with pages allocated for it."""
+        need = -(-(len(seq.tokens) + len(new)) // self.memory.page_size)
+        while len(seq.pages) < need:
+            seq.pages.append(self.free_pages.pop())
+        return Segment(new, len(seq.tokens), seq.slot, list(seq.pages), checkpoints)
+
     def step(self, work: list[tuple[Seq, list[int]]], checkpoints=None, all_logits=False) -> list[torch.Tensor]:
         """One forward: each (seq, new tokens) extends its sequence; returns logits per segment."""
-        ps = self.memory.page_size
-        segs = []
-        for i, (seq, new) in enumerate(work):
-            need = -(-(len(seq.tokens) + len(new)) // ps)
-            while len(seq.pages) < need:
-                seq.pages.append(self.free_pages.pop())
-            ck = (checkpoints or {}).get(i, ())
-            segs.append(Segment(new, len(seq.tokens), seq.slot, list(seq.pages), ck))
+        segs = [self.segment(seq, new, (checkpoints or {}).get(i, ())) for i, (seq, new) in enumerate(work)]
         batch = ForwardBatch.build(segs, self.memory, all_logits=all_logits)
         logits = self.model(batch)
         for seq, new in work:
