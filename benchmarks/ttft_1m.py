@@ -3,6 +3,7 @@ the per-round release amount grows, per scheduling policy (simulated, H200 profi
 
     python -m benchmarks.ttft_1m                 # the sweep, sensitivity and cuts (< 10 min, 2 cores)
     python -m benchmarks.ttft_1m --gpus 8        # the attention and GEMM terms split over 8 GPUs
+    python -m benchmarks.ttft_1m --cp-sweep 1 2 4 8   # TTFT against the context-parallel degree
     python -m benchmarks.ttft_1m --real          # the same study, measured on the built-in model here
     python -m benchmarks.ttft_1m --validate      # calibrate, run real and simulated, prediction error
 
@@ -49,12 +50,13 @@ class Setting:
     stream_prompt: int = 4096
     profile: str = "kimi_linear_48b_h200"
     gpus: int = 1
+    cp: int = 1  # context-parallel degree (prefill segments split across this many GPUs)
     page: int = 64
     slo_factor: float = 1.2  # deadline = slo_factor x the predicted one-shot prefill
     itl_slo: float = 0.1  # the decode ITL p99 target drawn on the plots (seconds)
 
     def cost(self) -> CostModel:
-        return CostModel.load(self.profile).on_gpus(self.gpus)
+        return CostModel.load(self.profile).on_gpus(self.gpus).context_parallel(self.cp)
 
     def deadline(self, cost: CostModel) -> float:
         """Seconds after arrival the long prompt's first token is due."""
@@ -271,6 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default=Setting.profile, help="cost profile (name or JSON path)")
     ap.add_argument("--gpus", type=int, default=1, help="split the attention and GEMM terms over N GPUs")
+    ap.add_argument("--cp", type=int, default=1, help="split each long prefill segment across N GPUs (context parallel)")
+    ap.add_argument("--cp-sweep", type=int, nargs="+", metavar="N",
+                    help="TTFT against the context-parallel degree (writes ttft_1m_cp.*; benchmarks/ttft_cp.py)")
     ap.add_argument("--prompt", type=int, default=Setting.prompt, help="long prompt tokens")
     ap.add_argument("--streams", type=int, default=Setting.streams, help="decode streams")
     ap.add_argument("--slo-factor", type=float, default=Setting.slo_factor,
@@ -292,8 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.real or args.validate:
         ttft_real.main(args, validate=args.validate)
         return
-    base = Setting(prompt=args.prompt, streams=args.streams, profile=args.profile, gpus=args.gpus,
+    base = Setting(prompt=args.prompt, streams=args.streams, profile=args.profile, gpus=args.gpus, cp=args.cp,
                    slo_factor=args.slo_factor, itl_slo=args.itl_slo)
+    if args.cp_sweep:
+        from benchmarks.ttft_cp import sweep
+
+        print(sweep(base, args.cp_sweep, tuple(args.releases), args.jobs, args.json.with_name("ttft_1m_cp.json")))
+        return
     jobs = jobs_for(base, tuple(args.releases), tuple(args.policies), sensitivity=not args.no_sensitivity)
     rows = run_points(point, jobs, args.jobs, "ttft points",
                       label=lambda j: f"{j[0]}: {j[1]} R={j[2]} {j[3]}",

@@ -22,6 +22,7 @@ def describe(r: dict) -> str:
 
 def setting_line(r: dict) -> str:
     gpus = f", {r['gpus']} GPUs" if r["gpus"] > 1 else ", one GPU"
+    gpus += f", context parallel x {r['cp']}" if r.get("cp", 1) > 1 else ""
     return (f"{kt(r['prompt'])}-token prompt beside {r['streams']} decode streams ({kt(r['stream_prompt'])}-token "
             f"prompts), profile {r['profile']}{gpus}, page {r['page']}; deadline {r['deadline_s']:.1f} s "
             f"({r['slo_factor']} x the one-shot prefill), ITL p99 target {r['itl_slo'] * 1000:.0f} ms")

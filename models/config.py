@@ -6,7 +6,7 @@ outside `models/` reads the HF config.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -66,6 +66,21 @@ class ModelConfig:
     @property
     def linear_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in LINEAR_KINDS)
+
+    def sharded(self, world: int) -> "ModelConfig":
+        """Per-rank shapes under tensor parallelism over `world` ranks: every state's first
+        dim (heads, or conv channels made of heads) and the KV heads split; a one-head KV (MLA's
+        latent) is replicated."""
+        def split(shape: tuple[int, ...], what: str) -> tuple[int, ...]:
+            if shape[0] % world:
+                raise ValueError(f"{what}: {shape[0]} cannot be split across {world} ranks")
+            return (shape[0] // world, *shape[1:])
+
+        kv = tuple({n: s if s[0] == 1 else split(s, f"kv_shapes {n}") for n, s in layer.items()}
+                   for layer in self.kv_shapes)
+        state = tuple({n: (split(s, f"state_shapes {n}"), dt) for n, (s, dt) in layer.items()}
+                      for layer in self.state_shapes)
+        return replace(self, kv_shapes=kv, state_shapes=state)
 
     @classmethod
     def uniform(cls, hf, kinds: tuple[str, ...], kv: KVShapes, state: StateShapes,

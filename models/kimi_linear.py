@@ -15,6 +15,7 @@ from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
 from models.layers.state import delta_inputs, delta_rule, short_conv
+from models.layers.tensor_parallel import column, ffn, heads, row, shard
 
 
 class KimiDeltaAttention(nn.Module):
@@ -39,6 +40,20 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = Linear(d, h * d, bias=False)
         self.o_norm = GatedRMSNorm(d, eps=cfg.rms_norm_eps, activation="sigmoid")
         self.o_proj = Linear(h * d, hid, bias=False)
+
+    def shard(self, tp) -> None:
+        """Heads [r H / N, (r + 1) H / N) (models/layers/tensor_parallel.py)."""
+        h, d = self.h, self.d
+        hd = heads(h * d, h, "linear_num_heads")
+        for lin in (self.q_proj, self.k_proj, self.v_proj, self.f_b_proj, self.g_b_proj):
+            column(lin, tp, hd)
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            shard(conv.weight, tp, hd)
+        shard(self.dt_bias, tp, hd)
+        shard(self.A_log, tp, heads(h, h, "linear_num_heads"), dim=2)
+        column(self.b_proj, tp, heads(h, h, "linear_num_heads"))
+        row(self.o_proj, tp, hd)
+        self.h = h // tp.world
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         buf = batch.memory.state[self.state_idx]
@@ -77,6 +92,15 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(self.r, h * (self.nope + self.vd), bias=False)
         self.o_proj = Linear(h * self.vd, hid, bias=cfg.attention_bias)
         self.scale = (self.nope + self.rope) ** -0.5
+
+    def shard(self, tp) -> None:
+        """Heads of the query and absorbed key/value projections; the latent is replicated."""
+        h = self.h
+        q = heads(h * (self.nope + self.rope), h, "num_attention_heads")
+        column(self.q_proj if hasattr(self, "q_proj") else self.q_b_proj, tp, q)
+        column(self.kv_b_proj, tp, heads(h * (self.nope + self.vd), h, "num_attention_heads"))
+        row(self.o_proj, tp, heads(h * self.vd, h, "num_attention_heads"))
+        self.h = h // tp.world
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -119,6 +143,10 @@ class KimiMoE(nn.Module):
             KimiExpert(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_local_experts)
         )
         self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def shard(self, tp) -> None:
+        for expert in (*self.experts, self.shared_experts):
+            ffn(expert, tp)
 
     def forward(self, x):
         idx, w = self.gate(x)

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from models.config import ModelConfig
+from models.layers.tensor_parallel import TensorParallel, shard_model
 from models.registry import model_class
 
 
@@ -36,11 +37,14 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               tp: TensorParallel | None = None):
     """Build the model for a checkpoint folder and load its weights.
 
     Returns (model, ModelConfig). `dtype` defaults to the checkpoint's declared dtype;
-    parameters the model lists in `keep_fp32` stay fp32.
+    parameters the model lists in `keep_fp32` stay fp32. With `tp` the model holds this
+    rank's shard (models/layers/tensor_parallel.py) and the config its per-rank shapes: each
+    checkpoint tensor is read, cut and dropped, so a rank holds its shard plus one tensor.
     """
     path = Path(path)
     hf = load_hf_config(path)
@@ -51,6 +55,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     for name, t in [*model.named_parameters(), *model.named_buffers()]:  # dtypes set on meta: free
         fp32 = any(name == k or name.endswith("." + k) for k in model.keep_fp32)
         t.data = t.data.to(torch.float32 if fp32 else dtype)
+    if tp is not None and tp.world > 1:
+        shard_model(model, tp)
+        cfg = cfg.sharded(tp.world)
+    slices = {n: p.tp_slice for n, p in model.named_parameters() if hasattr(p, "tp_slice")}
     model.to_empty(device=device)  # the only allocation, in the final dtypes
     model.tie_weights()  # to_empty made new tensors: re-share lm_head with the embedding
     params = dict(model.state_dict())  # tied weights appear under both names
@@ -65,6 +73,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                     unexpected.append(name)
                     continue
                 t = model.from_checkpoint(name, f.get_tensor(name))
+                if name in slices:
+                    t = slices[name](t)
                 dst = params[name]
                 if t.shape != dst.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(dst.shape)}")

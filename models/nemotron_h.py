@@ -16,6 +16,7 @@ from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import RMSNorm
 from models.layers.state import run_with_state, short_conv
+from models.layers.tensor_parallel import column, ffn, first_rank_only, heads, row, shard
 
 KINDS = {"linear_attention": "mamba2", "full_attention": "attn", "mlp": "mlp", "moe": "mlp"}
 
@@ -62,6 +63,21 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupedGatedRMSNorm(inner, self.g, cfg.layer_norm_epsilon)
         self.out_proj = Linear(inner, cfg.hidden_size, bias=cfg.use_bias)
 
+    def shard(self, tp) -> None:
+        """Heads [r H / N, (r + 1) H / N) and the B/C groups they read (n_groups split too)."""
+        h, p, g, s = self.h, self.p, self.g, self.s
+        hp, hh = heads(h * p, h, "mamba_num_heads"), heads(h, h, "mamba_num_heads")
+        gs = heads(g * s, g, "n_groups")
+        column(self.in_proj, tp, [*hp, *hp, *gs, *gs, *hh])  # [z | x | B | C | dt]
+        shard(self.conv1d.weight, tp, [*hp, *gs, *gs])
+        shard(self.conv1d.bias, tp, [*hp, *gs, *gs])
+        for param in (self.dt_bias, self.A_log, self.D):
+            shard(param, tp, hh)
+        shard(self.norm.weight, tp, heads(h * p, g, "n_groups"))
+        row(self.out_proj, tp, hp)
+        self.h, self.g, self.norm.groups = h // tp.world, g // tp.world, self.norm.groups // tp.world
+        self.conv_dim = self.h * p + 2 * self.g * s
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t, dev = x.shape[0], x.device
         h, p, g, s = self.h, self.p, self.g, self.s
@@ -104,6 +120,15 @@ class Attention(nn.Module):
         self.v_proj = Linear(hid, hkv * d, bias=False)
         self.o_proj = Linear(h * d, hid, bias=False)
 
+    def shard(self, tp) -> None:
+        q = heads(self.h * self.d, self.h, "num_attention_heads")
+        kv = heads(self.hkv * self.d, self.hkv, "num_key_value_heads")
+        column(self.q_proj, tp, q)
+        column(self.k_proj, tp, kv)
+        column(self.v_proj, tp, kv)
+        row(self.o_proj, tp, q)
+        self.h, self.hkv = self.h // tp.world, self.hkv // tp.world
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.h, self.d)  # [T, H, D]
@@ -132,6 +157,9 @@ class MLP(nn.Module):
     def parts(self):
         return None, self.up_proj, self.down_proj, self.act
 
+    def shard(self, tp) -> None:
+        ffn(self, tp)
+
 
 class MoE(nn.Module):
     """Sigmoid grouped top-k routing over ungated experts (optionally in a latent space) plus
@@ -146,6 +174,14 @@ class MoE(nn.Module):
         self.shared_experts = MLP(hid, cfg.moe_shared_expert_intermediate_size, act, cfg.mlp_bias)
         self.fc1_latent_proj = Linear(hid, latent, bias=cfg.mlp_bias) if latent else nn.Identity()
         self.fc2_latent_proj = Linear(latent, hid, bias=cfg.mlp_bias) if latent else nn.Identity()
+
+    def shard(self, tp) -> None:
+        """Every expert's and the shared expert's intermediate channels; the latent projections
+        are replicated (fc2's bias on rank 0: it is added to a partial sum)."""
+        for expert in (*self.experts, self.shared_experts):
+            ffn(expert, tp)
+        if isinstance(self.fc2_latent_proj, nn.Linear):
+            first_rank_only(self.fc2_latent_proj.bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x)  # [T, top_k]

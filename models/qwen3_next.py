@@ -18,6 +18,7 @@ from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
 from models.layers.state import delta_inputs, delta_rule, short_conv
+from models.layers.tensor_parallel import column, ffn, heads, row, shard
 
 
 class GatedDeltaNet(nn.Module):
@@ -33,6 +34,7 @@ class GatedDeltaNet(nn.Module):
         if hv % h:
             raise ValueError(f"linear_num_value_heads: {hv} is not a multiple of linear_num_key_heads {h}")
         self.h, self.hv, self.dk, self.dv = h, hv, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.checkpoint_heads = h, hv  # the checkpoint's layout (h and hv become a rank's under `shard`)
         self.state_idx = state_idx
         key_dim, value_dim, hid = h * self.dk, hv * self.dv, cfg.hidden_size
         conv_dim = 2 * key_dim + value_dim
@@ -46,7 +48,8 @@ class GatedDeltaNet(nn.Module):
 
     def from_checkpoint(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Rows grouped by key head -> grouped by kind (the layout forward reads)."""
-        h, r, dk, dv = self.h, self.hv // self.h, self.dk, self.dv
+        (h, hv), dk, dv = self.checkpoint_heads, self.dk, self.dv
+        r = hv // h
         if name == "in_proj_qkvz.weight":
             q, k, v, z = t.view(h, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
             return torch.cat([part.reshape(-1, t.shape[-1]) for part in (q, k, v, z)])
@@ -54,6 +57,20 @@ class GatedDeltaNet(nn.Module):
             b, a = t.view(h, 2 * r, -1).split([r, r], 1)
             return torch.cat([b.reshape(-1, t.shape[-1]), a.reshape(-1, t.shape[-1])])
         return t
+
+    def shard(self, tp) -> None:
+        """Key heads [r H / N, (r + 1) H / N) and their value heads (models/layers/tensor_parallel.py)."""
+        h, hv = self.h, self.hv
+        qk = heads(h * self.dk, h, "linear_num_key_heads")
+        vz = heads(hv * self.dv, h, "linear_num_key_heads")
+        per_v = heads(hv, h, "linear_num_key_heads")
+        column(self.in_proj_qkvz, tp, [*qk, *qk, *vz, *vz])
+        column(self.in_proj_ba, tp, [*per_v, *per_v])
+        shard(self.conv1d.weight, tp, [*qk, *qk, *vz])
+        shard(self.dt_bias, tp, per_v)
+        shard(self.A_log, tp, per_v)
+        row(self.out_proj, tp, vz)
+        self.h, self.hv = h // tp.world, hv // tp.world
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -105,6 +122,7 @@ class GatedAttention(nn.Module):
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"rope_parameters: rope_type {rope['rope_type']!r} is not supported; supported: default")
         self.h, self.hkv, self.d, self.kv_idx = h, hkv, d, kv_idx
+        self.checkpoint_heads = h  # the checkpoint's layout (h becomes a rank's under `shard`)
         self.rot, self.theta = int(d * rope.get("partial_rotary_factor", 1.0)), float(rope["rope_theta"])
         bias = cfg.attention_bias
         self.q_proj = Linear(hid, h * d * 2, bias=bias)
@@ -117,8 +135,17 @@ class GatedAttention(nn.Module):
     def from_checkpoint(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """q_proj rows (and bias) per head [q | gate] -> [all q | all gate]."""
         if name in ("q_proj.weight", "q_proj.bias"):
-            return t.view(self.h, 2, self.d, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+            return t.view(self.checkpoint_heads, 2, self.d, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         return t
+
+    def shard(self, tp) -> None:
+        q = heads(self.h * self.d, self.h, "num_attention_heads")
+        kv = heads(self.hkv * self.d, self.hkv, "num_key_value_heads")
+        column(self.q_proj, tp, [*q, *q])  # [all q | all gate]
+        column(self.k_proj, tp, kv)
+        column(self.v_proj, tp, kv)
+        row(self.o_proj, tp, q)
+        self.h, self.hkv = self.h // tp.world, self.hkv // tp.world
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
@@ -153,6 +180,10 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(hid, cfg.moe_intermediate_size, act) for _ in range(cfg.num_experts))
         self.shared_expert = GatedMLP(hid, cfg.shared_expert_intermediate_size, act)
         self.shared_expert_gate = Linear(hid, 1, bias=False)
+
+    def shard(self, tp) -> None:
+        for expert in (*self.experts, self.shared_expert):
+            ffn(expert, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         se = self.shared_expert

@@ -7,6 +7,13 @@
            + c_serial * max_prefill(ceil(extend / chunk))
            + c_dec * decode_rows
 
+Context parallelism (`cp` ranks, models/layers/context_parallel.py) splits a prefill segment
+of E >= cp * chunk tokens into cp contiguous slices that run side by side; the round waits for
+the busiest rank: E / cp tokens of GEMMs, the last slice's attention pairs
+E / cp * (prefix + E - E / (2 cp)), and ceil(E / cp / chunk) serial steps times (1 +
+`cp_overhead`), the widened state pass that carries each slice's transition. The exchanged
+states and KV are not priced (under 1% of a 1M-token round at NVLink rates; docs/distributed.md).
+
 `host_bytes_per_s` is the host link (device <-> host tier copies: PCIe or NVLink-C2C on a
 GPU, a memory copy on CPU); 0: unknown, and nothing is loaded from a host tier.
 
@@ -56,6 +63,8 @@ class CostModel:
     chunk: int = 64
     attn_layers: int = 1
     host_bytes_per_s: float = 0.0
+    cp: int = 1
+    cp_overhead: float = 0.0
     meta: dict = field(default_factory=dict, compare=False)  # provenance: model, hardware, sources
 
     def __post_init__(self):
@@ -67,6 +76,10 @@ class CostModel:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.attn_layers < 0:
             raise ValueError(f"attn_layers must be >= 0, got {self.attn_layers}")
+        if self.cp < 1:
+            raise ValueError(f"cp must be >= 1, got {self.cp}")
+        if not math.isfinite(self.cp_overhead) or self.cp_overhead < 0:
+            raise ValueError(f"cp_overhead must be a finite number >= 0, got {self.cp_overhead}")
         if not math.isfinite(self.host_bytes_per_s) or self.host_bytes_per_s < 0:
             raise ValueError(f"host_bytes_per_s must be a finite number >= 0, got {self.host_bytes_per_s}")
 
@@ -77,18 +90,35 @@ class CostModel:
         return nbytes / self.host_bytes_per_s if self.host_bytes_per_s else math.inf
 
     def features(self, shape: BatchShape) -> list[float]:
-        """The regressors of `step_time`, in COEFFS order."""
-        attn = sum(e * (p + e / 2) for p, e in shape.prefill) * self.attn_layers
+        """The regressors of `step_time`, in COEFFS order (the busiest rank's under `cp`)."""
+        split = [(p, e, self.ranks_for(e)) for p, e in shape.prefill]
+        tokens = sum(e / n for _, e, n in split) + len(shape.decode)
+        attn = sum(e / n * (p + e - e / (2 * n)) for p, e, n in split) * self.attn_layers
         prefix = sum(p for p, _ in shape.prefill) * self.attn_layers
         dec_attn = sum(shape.decode) * self.attn_layers
-        serial = max((math.ceil(e / self.chunk) for _, e in shape.prefill), default=0)
-        return [1.0, shape.tokens, attn, prefix, dec_attn, serial, len(shape.decode)]
+        serial = max((math.ceil(e / n / self.chunk) * (1 + self.cp_overhead if n > 1 else 1) for _, e, n in split),
+                     default=0)
+        return [1.0, tokens, attn, prefix, dec_attn, serial, len(shape.decode)]
+
+    def ranks_for(self, extend: int) -> int:
+        """Ranks a prefill segment of `extend` tokens is split across (1 below cp * chunk)."""
+        return self.cp if extend >= self.cp * self.chunk else 1
+
+    def context_parallel(self, n: int) -> "CostModel":
+        """The model with prefill segments split across n ranks (see the module docstring)."""
+        return replace(self, cp=n)
 
     def step_time(self, shape: BatchShape) -> float:
         """Predicted seconds for one forward of a batch of this shape (0 for an empty batch)."""
         if not shape.prefill and not shape.decode:
             return 0.0
         return sum(c * f for c, f in zip(self.coefficients, self.features(shape)))
+
+    def prefill_work(self, start: int, end: int) -> float:
+        """Seconds of a segment's own work on [start, end) done in one round: its tokens, its
+        query-key pairs and its serial steps (no per-round latency, no prefix read)."""
+        _, tokens, attn, _, _, serial, _ = self.features(BatchShape([(start, end - start)]))
+        return self.c_tok * tokens + self.c_attn * attn + self.c_serial * serial
 
     def serial_steps(self, extend: int) -> int:
         return math.ceil(extend / self.chunk)
@@ -141,7 +171,7 @@ class CostModel:
     @classmethod
     def from_json(cls, path: str | Path) -> "CostModel":
         data = json.loads(Path(path).read_text())
-        unknown = set(data) - set(COEFFS) - {"chunk", "attn_layers", "host_bytes_per_s", "meta"}
+        unknown = set(data) - set(COEFFS) - {"chunk", "attn_layers", "host_bytes_per_s", "cp", "cp_overhead", "meta"}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         return cls(**data)

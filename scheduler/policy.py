@@ -259,7 +259,8 @@ def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: fl
     """The round time that lets r finish its fill by its deadline (capped at max_step).
 
     The prefill work left, W = c_tok * rest + c_attn * layers * (fill^2 - start^2) / 2 +
-    c_serial * rest / chunk, does not depend on the cuts. Rounds of length tau spend `base`
+    c_serial * rest / chunk, does not depend on the cuts (under context parallelism W is that
+    of one round, an upper bound: a short round at a long prefix splits its pairs about evenly). Rounds of length tau spend `base`
     on the rest of the batch and on reading r's prefix, and tau - base on r's work, so
     finishing takes W * tau / (tau - base):
     tau = base * left / (left - W) meets the deadline, less one round of slack. The slack is
@@ -269,8 +270,7 @@ def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: fl
     attention grows with the prefix.
     """
     start, fill = r.extend_end, r.fill_len
-    work = (cost.c_tok * (fill - start) + cost.c_attn * cost.attn_layers * (fill * fill - start * start) / 2
-            + cost.c_serial * cost.serial_steps(fill - start))
+    work = cost.prefill_work(start, fill)
     # each round r is in also reads r's cached prefix: a per-round cost, priced at the mean
     # prefix of the rounds left, like the rest of the batch
     base = (base or cost.c0) + cost.c_prefix * cost.attn_layers * (start + fill) / 2

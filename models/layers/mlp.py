@@ -10,6 +10,7 @@ from torch import nn
 
 from kernels import native
 from models.layers.linear import Linear, fused_linear
+from models.layers.tensor_parallel import ffn
 
 ACTS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square(), "gelu": F.gelu}
 
@@ -34,6 +35,9 @@ class GatedMLP(nn.Module):
 
     def parts(self):
         return self.gate_proj, self.up_proj, self.down_proj, self.act
+
+    def shard(self, tp) -> None:
+        ffn(self, tp)
 
 
 class Stacked(NamedTuple):

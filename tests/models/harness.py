@@ -35,8 +35,8 @@ class Seq:
 class PagedRunner:
     """Runs our model with a page allocator (shuffled pages) and one state slot per sequence."""
 
-    def __init__(self, path, page_size: int = 16, num_pages: int = 512, num_slots: int = 32, seed: int = 0):
-        self.model, self.cfg = load_model(path, dtype=torch.float32)
+    def __init__(self, path, page_size: int = 16, num_pages: int = 512, num_slots: int = 32, seed: int = 0, tp=None):
+        self.model, self.cfg = load_model(path, dtype=torch.float32, tp=tp)
         cfg: ModelConfig = self.cfg
         self.memory = Memory(
             kv=[{n: torch.zeros(num_pages, page_size, *s) for n, s in layer.items()} for layer in cfg.kv_shapes],
