@@ -269,6 +269,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
         except Exception:
             log.exception("aborting the unfinished requests failed")
+        self.engine.close()  # the tensor-parallel workers, if any
         err = EngineError(STOPPED, "shutting_down")
         for sink in self._sinks.values():
             self._deliver(sink.loop, [(sink.queue, err)])

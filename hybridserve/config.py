@@ -51,6 +51,9 @@ class EngineConfig:
         "help": "step-time model of the serial policies: a shipped profile name or a JSON file from `hybridserve "
                 "calibrate`; unset: the shipped builtin_cpu (fp32) or builtin_cpu_bf16 profile for the built-in model "
                 "on CPU, else one fitted at start-up from a few timed forwards (only when the policy reads it)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes (one per GPU on CUDA) the model's heads and channels are split across, joined by "
+                "torch.distributed (NCCL on CUDA, gloo on CPU); memory_gb is per rank"})
     seed: int = field(default=0, metadata={"help": "seed for torch (sampling of requests without their own seed)"})
     adaptive_threads: bool = field(default=True, metadata={
         "help": "on CPU, run each round on the CPUs other processes leave free (from /proc/stat; at most torch's "
@@ -76,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"host_memory_gb must be >= 0, got {self.host_memory_gb}")
         if self.host_memory_gb and self.checkpoint_share is not None:
             raise ValueError("host_memory_gb: a host tier needs the one budget (leave checkpoint_share unset)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name, kind in SECTIONS.items():

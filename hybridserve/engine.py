@@ -13,14 +13,16 @@ import torch
 from hybridserve.config import EngineConfig
 from hybridserve.host import ThreadGovernor, keep_freed_memory
 from hybridserve.outputs import Detokenizer, RequestOutput
+from hybridserve.parallel import TensorParallelRunner, Workers
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
 from kernels import native
 from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
+from models.layers.tensor_parallel import TensorParallel
 from models.loader import load_model
 from scheduler import CostModel, Drift, Executor, Req, Scheduler, policy_class
-from state_cache import PrefillFlops, StateRadixCache, make_host_pool, make_pools, plan_memory
+from state_cache import Journal, PrefillFlops, StateRadixCache, make_host_pool, make_pools, plan_memory
 
 log = logging.getLogger(__name__)
 # the shipped step-time profiles of the built-in model on CPU, by dtype (scheduler/profiles/)
@@ -57,6 +59,21 @@ def load_tokenizer(model: str, path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def model_path(config: EngineConfig) -> Path:
+    return builtin_path() if config.model == "builtin" else Path(config.model)
+
+
+def build_memory(config: EngineConfig, mc, device: str):
+    """(memory plan, KV pool, state pool, host pool or None) for a model config: the same on
+    every tensor-parallel rank, each holding its shard's shapes."""
+    plan = plan_memory(mc.kv_shapes, mc.state_shapes, budget_bytes=int(config.memory_gb * 2**30),
+                       page_size=config.page_size, max_running=config.scheduler.max_running,
+                       checkpoint_share=config.checkpoint_share, staging_rows=config.staging_rows,
+                       host_bytes=int(config.host_memory_gb * 2**30), kv_dtype=mc.dtype)
+    kv_pool, state_pool = make_pools(plan, mc.kv_shapes, mc.state_shapes, mc.dtype, device)
+    return plan, kv_pool, state_pool, make_host_pool(plan, mc.kv_shapes, mc.dtype, device)
+
+
 class Engine:
     """The serving loop over one model: `Engine(config, **settings)` (flat setting names, see
     EngineConfig), then add_request / step / abort."""
@@ -68,24 +85,37 @@ class Engine:
             keep_freed_memory()
             native.extension()  # built once per source version (a few minutes), not in the first decode step
         torch.manual_seed(config.seed)
-        self.path = builtin_path() if config.model == "builtin" else Path(config.model)
+        self.path = model_path(config)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-        self.model, self.model_config = load_model(self.path, config.device, dtype)
+        world = config.tensor_parallel_size
+        self.workers = Workers(config, world) if world > 1 else None  # ranks 1..N-1 (hybridserve/parallel.py)
+        try:
+            self._build(config, dtype, world)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, dtype: torch.dtype | None, world: int) -> None:
+        if self.workers:
+            torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        self.model, self.model_config = load_model(self.path, config.device, dtype,
+                                                   tp=TensorParallel.of() if self.workers else None)
         self.model_name = config.model if config.model == "builtin" else self.path.name
         self.tokenizer = load_tokenizer(config.model, self.path)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
-        self.plan = plan_memory(mc.kv_shapes, mc.state_shapes, budget_bytes=int(config.memory_gb * 2**30),
-                                page_size=config.page_size, max_running=config.scheduler.max_running,
-                                checkpoint_share=config.checkpoint_share, staging_rows=config.staging_rows,
-                                host_bytes=int(config.host_memory_gb * 2**30), kv_dtype=mc.dtype)
-        kv_pool, state_pool = make_pools(self.plan, mc.kv_shapes, mc.state_shapes, mc.dtype, config.device)
+        self.plan, kv_pool, state_pool, host = build_memory(config, mc, config.device)
         self.memory = Memory(kv_pool.buffers, state_pool.buffers, config.page_size)
+        params = sum(p.numel() for p in self.model.parameters()) * world  # (embedding and lm_head counted N times)
         self.cache = StateRadixCache(kv_pool, state_pool, mc.kernel_chunks, config.cache,
-                                     flops=PrefillFlops(2.0 * sum(p.numel() for p in self.model.parameters())),
-                                     host=make_host_pool(self.plan, mc.kv_shapes, mc.dtype, config.device))
+                                     flops=PrefillFlops(2.0 * params), host=host)
         self.sampler = Sampler(config.device)
-        self.executor: Executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
+        if self.workers:
+            journal = Journal({"kv": kv_pool, "state": state_pool, "host": host})
+            self.executor: Executor = TensorParallelRunner(self.model, self.memory, config.device, self.sampler,
+                                                           state_pool.row, self.workers, journal)
+        else:
+            self.executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
         cost = self._with_host_link(self._cost_model())
         self.scheduler = Scheduler(self.cache, config.scheduler, cost, time.monotonic)
         self.requests: dict[str, tuple[Req, Detokenizer]] = {}
@@ -94,8 +124,9 @@ class Engine:
         self.drift: Drift | None = Drift()  # None once it has warned
         self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
                                             else set())
-        log.info("model %s (%s, %s), policy %s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
-                 config.scheduler.policy, self.plan.report())
+        log.info("model %s (%s, %s), policy %s%s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
+                 config.scheduler.policy, f", tensor parallel x{world} (per rank below)" if self.workers else "",
+                 self.plan.report())
 
     def _profile_name(self) -> str | None:
         """The profile the engine loads: the configured one, else for the built-in model on CPU
@@ -114,6 +145,9 @@ class Engine:
             return CostModel.load(name)
         if not policy_class(self.config.scheduler.policy).uses_cost_model:
             return CostModel()
+        if self.workers:
+            raise ValueError("cost_profile: with tensor_parallel_size > 1 give a profile (`hybridserve calibrate` "
+                             "fits one on a single rank) or a policy that needs none (tokens, budget)")
         from hybridserve.calibrate import calibrate
 
         return calibrate(self.model, self.model_config, self.memory, self.cache, quick=True)
@@ -183,6 +217,11 @@ class Engine:
             return False
         self.sampler.release(rid)
         return self.scheduler.abort(entry[0])
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self.workers:
+            self.workers.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -19,6 +19,16 @@ class LLM:
     def __init__(self, model: str = "builtin", **settings):
         self.engine = Engine(EngineConfig.from_settings(model=model, **settings))
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also on leaving a `with` block)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order.

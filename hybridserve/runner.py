@@ -34,8 +34,11 @@ class ModelRunner(Executor):
         segs = self.segments(batch)
         sampling = [i for i, c in enumerate(batch.chunks) if c.samples]
         sampling += list(range(len(batch.chunks), len(segs)))
-        fb = ForwardBatch.build(segs, self.memory, self.device, logits_for=sampling)
-        logits = self.model(fb)  # [S, vocab], one row per sampling segment
+        logits = self.forward(segs, sampling)  # [S, vocab], one row per sampling segment
         reqs = batch.sampling_reqs
         out = self.sampler(logits, [r.sampling for r in reqs], [r.rid for r in reqs])
         return StepOutput(out.tokens, time.perf_counter() - t0, list(zip(out.logprobs, out.top_logprobs)))
+
+    def forward(self, segs: list[Segment], sampling: list[int]) -> torch.Tensor:
+        """Logits [len(sampling), vocab] at the last token of the segments listed in `sampling`."""
+        return self.model(ForwardBatch.build(segs, self.memory, self.device, logits_for=sampling))

@@ -13,6 +13,7 @@ from state_cache.base import (
 )
 from state_cache.config import CacheConfig
 from state_cache.eviction import PrefillFlops, make_policy, policy_class, policy_names, register
+from state_cache.journal import Journal, replay
 from state_cache.kv_pool import KVPool, kv_bytes_per_token
 from state_cache.radix import StateRadixCache
 from state_cache.sizing import MemoryPlan, make_host_pool, make_pools, plan_memory
@@ -20,9 +21,9 @@ from state_cache.state_pool import StatePool, state_bytes_per_slot
 
 __all__ = [
     "CacheConfig", "CacheStats", "Candidate", "Checkpoint", "CheckpointAdmission", "DecodeCheckpoint",
-    "EvictResult", "EvictionPolicy", "InsertResult", "IntegrityError", "KVPool", "MatchResult",
+    "EvictResult", "EvictionPolicy", "InsertResult", "IntegrityError", "Journal", "KVPool", "MatchResult",
     "MemoryPlan", "PrefillFlops", "PrefixCache", "StatePool", "StateRadixCache", "granularity",
     "kv_bytes_per_token", "make_host_pool", "make_policy", "make_pools", "plan_memory", "policy_class", "policy_names",
-    "register",
+    "register", "replay",
     "state_bytes_per_slot",
 ]

@@ -26,6 +26,8 @@ class KVPool:
     Page ids are ints 0..num_pages-1. A page is free iff its count is 0.
     """
 
+    journal = None  # a state_cache.journal.Journal recording copies, when the pool is mirrored
+
     def __init__(
         self,
         num_pages: int,
@@ -108,6 +110,19 @@ class KVPool:
                 self._free.append(p)
                 freed += 1
         return freed
+
+    def copy_pages(self, pages: Sequence[int], dst: "KVPool", dst_pages: Sequence[int]) -> None:
+        """Page contents into pages of another pool of the same layout (e.g. the host tier)."""
+        if self.journal is not None:
+            self.journal.record(self, "copy_pages", list(pages), dst, list(dst_pages))
+        if not self.buffers:
+            return
+        dev = dst.buffers[0][next(iter(dst.buffers[0]))].device
+        si = torch.tensor(list(pages), device=self.buffers[0][next(iter(self.buffers[0]))].device)
+        di = torch.tensor(list(dst_pages), device=dev)
+        for s_layer, d_layer in zip(self.buffers, dst.buffers):
+            for name, buf in s_layer.items():
+                d_layer[name][di] = buf[si].to(dev, non_blocking=False)
 
     def check_integrity(self) -> None:
         """free + referenced == total; the free list holds exactly the pages with count 0."""

@@ -14,8 +14,6 @@ import logging
 import math
 from typing import Callable, Mapping, Sequence
 
-import torch
-
 from state_cache.admission import CheckpointAdmission, granularity
 from state_cache.base import (
     CacheStats,
@@ -522,14 +520,7 @@ class StateRadixCache(PrefixCache):
         """Page contents from one pool to another (both tiers share one page layout)."""
         nbytes = len(src_pages) * self.kv_pool.bytes_per_page
         self._counters["bytes_to_host" if dst is self.host else "bytes_from_host"] += nbytes
-        if not src.buffers:
-            return
-        dev = dst.buffers[0][next(iter(dst.buffers[0]))].device
-        si, di = torch.tensor(list(src_pages), device=src.buffers[0][next(iter(src.buffers[0]))].device), \
-            torch.tensor(list(dst_pages), device=dev)
-        for s_layer, d_layer in zip(src.buffers, dst.buffers):
-            for name, buf in s_layer.items():
-                d_layer[name][di] = buf[si].to(dev, non_blocking=False)
+        src.copy_pages(src_pages, dst, dst_pages)
 
     def _host_alloc(self, n: int) -> list[int] | None:
         """n host pages, evicting host entries in policy order if short; None if they do not fit."""

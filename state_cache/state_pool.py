@@ -46,6 +46,8 @@ class StatePool:
     allocated (`buffers == []`) and copies only check their arguments.
     """
 
+    journal = None  # a state_cache.journal.Journal recording copies, when the pool is mirrored
+
     def __init__(
         self,
         num_active: int,
@@ -216,6 +218,8 @@ class StatePool:
 
     def _to_pages(self, row: int, pages: list[int]) -> None:
         """Row `row`'s states, as bytes in layer order, into arena pages (zero-padded)."""
+        if self.journal is not None:
+            self.journal.record(self, "_to_pages", row, list(pages))
         if not self.buffers:
             return
         data = torch.cat([buf[row].reshape(-1).view(torch.uint8) for layer in self.buffers for buf in layer.values()])
@@ -228,6 +232,8 @@ class StatePool:
 
     def _from_pages(self, pages: list[int], row: int) -> None:
         """The inverse of _to_pages: arena pages into row `row`, bit-exact."""
+        if self.journal is not None:
+            self.journal.record(self, "_from_pages", list(pages), row)
         if not self.buffers:
             return
         idx = torch.tensor(pages, device=self._views[0].device)
@@ -272,6 +278,8 @@ class StatePool:
                     raise IntegrityError(f"state pool: buffer {name!r} is {tuple(buf[name].shape)} {buf[name].dtype}")
 
     def _copy(self, src: int, dst: int) -> None:
+        if self.journal is not None:
+            self.journal.record(self, "_copy", src, dst)
         for layer in self.buffers:
             for buf in layer.values():
                 buf[dst].copy_(buf[src])

@@ -1,0 +1,133 @@
+"""Tensor-parallel serving: one process per rank, joined in one torch.distributed group.
+
+Rank 0 is the engine's own process: it runs the scheduler, the cache index, the sampler and
+its shard of the model. Ranks 1..N-1 are workers started here (spawned). Each holds its
+shard of the model and of the same pools (same pages and slots, a rank's heads of each),
+and no bookkeeping. For every round rank 0 sends each worker, over a pipe, the round's
+segments (token ids, positions, slots, pages, checkpoint rows) and the pools' tensor
+operations recorded since the last round (state_cache/journal.py); all ranks then run the
+forward together, their layers' all-reduces meeting in the process group. Only rank 0's
+logits are used (every rank's are the same).
+
+A failure inside a forward leaves the group unusable: the runner stops the workers and every
+later round raises. Aborts and failed requests free their pages and slots on rank 0, which is
+where every rank's pages and slots are accounted.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridserve.runner import ModelRunner
+from models.batch import ForwardBatch, Memory, Segment
+from models.layers.tensor_parallel import TensorParallel
+from state_cache import Journal, replay
+
+log = logging.getLogger(__name__)
+TIMEOUT = datetime.timedelta(minutes=5)  # a collective waiting this long on a rank fails the round
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r on CUDA (one GPU per rank), else the configured one."""
+    return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
+
+
+def backend(device: str) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+class Workers:
+    """Ranks 1..N-1 of an engine; this process joins the group as rank 0."""
+
+    def __init__(self, config, world: int):
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: this process already has a torch.distributed group")
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory()
+        store = "file://" + os.path.join(self._dir.name, "store")
+        self.pipes, self.procs = [], []
+        for rank in range(1, world):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(config, rank, world, store, theirs), daemon=True)
+            proc.start()
+            self.pipes.append(ours)
+            self.procs.append(proc)
+        dist.init_process_group(backend(config.device), init_method=store, rank=0, world_size=world, timeout=TIMEOUT)
+        self.alive = True
+
+    def send(self, message) -> None:
+        for pipe in self.pipes:
+            pipe.send(message)
+
+    def close(self) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        if self.alive:
+            self.alive = False
+            for pipe in self.pipes:
+                try:
+                    pipe.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.procs = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._dir.cleanup()
+
+
+class TensorParallelRunner(ModelRunner):
+    """ModelRunner on rank 0: each round goes to the workers first, then runs here."""
+
+    def __init__(self, model, memory: Memory, device: str, sampler, row, workers: Workers, journal: Journal):
+        super().__init__(model, memory, device, sampler, row)
+        self.workers, self.journal = workers, journal
+
+    def forward(self, segs: list[Segment], sampling: list[int]) -> torch.Tensor:
+        if not self.workers.alive:
+            raise RuntimeError("tensor parallel: the workers were stopped after a failed round; restart the engine")
+        plain = [Segment(list(s.input_ids), s.prefix_len, s.state_slot, list(s.pages), tuple(s.checkpoints))
+                 for s in segs]
+        self.workers.send((plain, sampling, self.journal.drain()))
+        try:
+            return super().forward(segs, sampling)
+        except BaseException:
+            log.error("tensor parallel: a round failed on rank 0; stopping the workers")
+            self.workers.close()
+            raise
+
+
+def _worker(config, rank: int, world: int, store: str, pipe) -> None:
+    """Rank `rank`: its shard of the model and pools; replays rank 0's rounds until told to stop."""
+    from hybridserve.engine import build_memory, model_path
+    from models.loader import load_model
+
+    device = rank_device(config.device, rank)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend(config.device), init_method=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    try:
+        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        model, mc = load_model(model_path(config), device, dtype, tp=TensorParallel.of())
+        _, kv, state, host = build_memory(config, mc, device)
+        memory = Memory(kv.buffers, state.buffers, config.page_size)
+        pools = {"kv": kv, "state": state, "host": host}
+        with torch.inference_mode():
+            while (message := pipe.recv()) is not None:
+                segs, sampling, ops = message
+                replay(ops, pools)
+                model(ForwardBatch.build(segs, memory, device, logits_for=sampling))
+    except EOFError:  # rank 0 went away
+        pass
+    finally:
+        dist.destroy_process_group()
+
