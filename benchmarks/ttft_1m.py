@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default=Setting.profile, help="cost profile (name or JSON path)")
     ap.add_argument("--gpus", type=int, default=1, help="split the attention and GEMM terms over N GPUs")
-    ap.add_argument("--cp", type=int, default=1, help="split each long prefill segment across N GPUs (context parallel)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="split each long prefill segment across N GPUs (context parallel)")
     ap.add_argument("--cp-sweep", type=int, nargs="+", metavar="N",
                     help="TTFT against the context-parallel degree (writes ttft_1m_cp.*; benchmarks/ttft_cp.py)")
     ap.add_argument("--prompt", type=int, default=Setting.prompt, help="long prompt tokens")

@@ -260,9 +260,9 @@ def deadline_step(max_step: float, cost: CostModel, r: Req, base: float, now: fl
 
     The prefill work left, W = c_tok * rest + c_attn * layers * (fill^2 - start^2) / 2 +
     c_serial * rest / chunk, does not depend on the cuts (under context parallelism W is that
-    of one round, an upper bound: a short round at a long prefix splits its pairs about evenly). Rounds of length tau spend `base`
-    on the rest of the batch and on reading r's prefix, and tau - base on r's work, so
-    finishing takes W * tau / (tau - base):
+    of one round, an upper bound: a short round at a long prefix splits its pairs about
+    evenly). Rounds of length tau spend `base` on the rest of the batch and on reading r's
+    prefix, and tau - base on r's work, so finishing takes W * tau / (tau - base):
     tau = base * left / (left - W) meets the deadline, less one round of slack. The slack is
     a round of the length being chosen (a fixed point, from `target`), not of max_step: a
     short deadline would otherwise lose a tenth of its time to slack and double the decode

@@ -1,7 +1,6 @@
 """Context-parallel prefill (models/layers/context_parallel.py): one segment split across
 gloo ranks gives the logits, final states, checkpoints and KV of the one-rank run."""
 import pytest
-import torch
 
 from hybridserve.distributed import run_ranks
 from models.layers.context_parallel import split_bounds
