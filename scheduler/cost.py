@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 PROFILES = Path(__file__).parent / "profiles"
 COEFFS = ("c0", "c_tok", "c_attn", "c_prefix", "c_dec_attn", "c_serial", "c_dec")
@@ -163,7 +163,8 @@ class CostModel:
                 coef[active] = sol
                 break
             active = [j for j, c in zip(active, sol) if c >= 0]
-        return cls(**dict(zip(COEFFS, coef.tolist())), chunk=chunk, attn_layers=attn_layers, meta=meta or {})
+        fitted: dict[str, Any] = dict(zip(COEFFS, coef.tolist()))
+        return cls(**fitted, chunk=chunk, attn_layers=attn_layers, meta=meta or {})
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -111,7 +111,7 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
         lambda r, s0: step(*args(r), initial_state=s0, output_final_state=True,
                            cu_seqlens=torch.arange(r.stop - r.start + 1, device=q.device)),
         in_place,
-        lambda cp, r, s0, ck: context_parallel.delta_rule_prefill(cp, chunk, *args(r), s0, ck),
+        lambda cp, r, s0, ck: context_parallel.delta_rule_prefill(cp, chunk, q[r], k[r], v[r], g[r], beta[r], s0, ck),
     )
 
 

@@ -62,7 +62,7 @@ def shard(p: nn.Parameter | torch.Tensor | None, tp: TensorParallel, sections: S
         return _slice(t, sections, dim, tp)
 
     p.data = cut(p.data)
-    p.tp_slice = cut
+    p.tp_slice = cut  # type: ignore[attr-defined]
 
 
 def first_rank_only(p: nn.Parameter | None, tp: TensorParallel) -> None:
@@ -74,7 +74,7 @@ def first_rank_only(p: nn.Parameter | None, tp: TensorParallel) -> None:
         return t if tp.rank == 0 else torch.zeros_like(t)
 
     p.data = cut(p.data)
-    p.tp_slice = cut
+    p.tp_slice = cut  # type: ignore[attr-defined]
 
 
 def heads(n: int, units: int, what: str) -> list[tuple[int, int, str]]:
@@ -98,7 +98,7 @@ def row(lin: nn.Linear, tp: TensorParallel, sections: Sections) -> None:
 def ffn(module: nn.Module, tp: TensorParallel) -> None:
     """An MLP or expert exposing parts() -> (gate or None, up, down, act): an N-th of its
     intermediate channels."""
-    gate, up, down, _ = module.parts()
+    gate, up, down, _ = module.parts()  # type: ignore[operator]
     inter = [(up.out_features, tp.world, f"{type(module).__name__} intermediate {up.out_features}")]
     for lin in (gate, up):
         if lin is not None:
@@ -106,7 +106,7 @@ def ffn(module: nn.Module, tp: TensorParallel) -> None:
     row(down, tp, inter)
 
 
-def shard_model(model: nn.Module, tp: TensorParallel) -> None:
+def shard_model(model: Any, tp: TensorParallel) -> None:
     """Shard every block's mixer and FFN (children with a `shard(tp)` method) and all-reduce
     their outputs. A no-op for one rank."""
     if tp.world == 1:
