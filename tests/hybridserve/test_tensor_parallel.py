@@ -5,6 +5,7 @@ every page and slot."""
 import json
 
 import pytest
+import torch
 
 from hybridserve import Engine
 from hybridserve.sampling import SamplingParams
@@ -137,3 +138,16 @@ def test_tp_settings_are_checked(models):
         _engine(models["kimi"], tensor_parallel_size=3)
     with pytest.raises(ValueError, match="cost_profile"):
         Engine(model=models["kimi"][0], dtype="float32", memory_gb=0.002, tensor_parallel_size=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL ranks need a device each)")
+def test_tp2_on_nccl(models):
+    """The CUDA path: TP=2 over NCCL (cuda:0 and cuda:1) serves the tokens of one GPU."""
+    prompts = [harness.prompt(97, 150, i) for i in range(4)]
+    want = _scored(_engine(models["kimi"], device="cuda"), prompts)
+    eng = _engine(models["kimi"], device="cuda", tensor_parallel_size=2)
+    try:
+        _same(_scored(eng, prompts), want, tol=1e-3)
+    finally:
+        eng.close()

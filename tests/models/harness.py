@@ -35,13 +35,16 @@ class Seq:
 class PagedRunner:
     """Runs our model with a page allocator (shuffled pages) and one state slot per sequence."""
 
-    def __init__(self, path, page_size: int = 16, num_pages: int = 512, num_slots: int = 32, seed: int = 0, tp=None):
-        self.model, self.cfg = load_model(path, dtype=torch.float32, tp=tp)
+    def __init__(self, path, page_size: int = 16, num_pages: int = 512, num_slots: int = 32, seed: int = 0, tp=None,
+                 device: str = "cpu"):
+        self.model, self.cfg = load_model(path, device, dtype=torch.float32, tp=tp)
+        self.device = device
         cfg: ModelConfig = self.cfg
         self.memory = Memory(
-            kv=[{n: torch.zeros(num_pages, page_size, *s) for n, s in layer.items()} for layer in cfg.kv_shapes],
-            state=[{n: torch.full((num_slots, *s), float("nan"), dtype=dt) for n, (s, dt) in layer.items()}
-                   for layer in cfg.state_shapes],
+            kv=[{n: torch.zeros(num_pages, page_size, *s, device=device) for n, s in layer.items()}
+                for layer in cfg.kv_shapes],
+            state=[{n: torch.full((num_slots, *s), float("nan"), dtype=dt, device=device)
+                    for n, (s, dt) in layer.items()} for layer in cfg.state_shapes],
             page_size=page_size,
         )
         self.free_pages = list(range(num_pages))
@@ -71,7 +74,7 @@ class PagedRunner:
     def step(self, work: list[tuple[Seq, list[int]]], checkpoints=None, all_logits=False) -> list[torch.Tensor]:
         """One forward: each (seq, new tokens) extends its sequence; returns logits per segment."""
         segs = [self.segment(seq, new, (checkpoints or {}).get(i, ())) for i, (seq, new) in enumerate(work)]
-        batch = ForwardBatch.build(segs, self.memory, all_logits=all_logits)
+        batch = ForwardBatch.build(segs, self.memory, self.device, all_logits=all_logits)
         logits = self.model(batch)
         for seq, new in work:
             seq.tokens += list(new)

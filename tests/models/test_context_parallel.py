@@ -1,6 +1,7 @@
 """Context-parallel prefill (models/layers/context_parallel.py): one segment split across
 gloo ranks gives the logits, final states, checkpoints and KV of the one-rank run."""
 import pytest
+import torch
 
 from hybridserve.distributed import run_ranks
 from models.layers.context_parallel import split_bounds
@@ -62,3 +63,15 @@ def test_split_bounds():
     assert split_bounds(4096, 4, 64) == (0, 1024, 2048, 3072, 4096)
     with pytest.raises(ValueError, match="cannot give 3 slices"):
         split_bounds(150, 3, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL ranks need a device each)")
+def test_context_parallel_on_nccl(tmp_path):
+    """The CUDA path: CP=2 over NCCL with the CUDA kernels equals one GPU (fp32, rel err < 1e-4)."""
+    cls, cfg = FAMILIES["kimi"]
+    harness.save_tiny(cls, cfg(), tmp_path)
+    case = (tmp_path, IDS, PREFIX, CHECKPOINTS, ALIGN, "cuda")
+    ref = cp_worker.forward(*case)
+    for got in run_ranks(cp_worker.forward, 2, case, backend="nccl"):
+        _close(got["logits"], ref["logits"], "logits")
