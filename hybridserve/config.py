@@ -54,6 +54,9 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "processes (one per GPU on CUDA) the model's heads and channels are split across, joined by "
                 "torch.distributed (NCCL on CUDA, gloo on CPU); memory_gb is per rank"})
+    context_parallel_size: int = field(default=1, metadata={
+        "help": "processes (one per GPU on CUDA) a long prefill is split across by tokens (each holds the whole "
+                "model and a replica of the pools; the rest of a round runs on all of them); memory_gb is per rank"})
     seed: int = field(default=0, metadata={"help": "seed for torch (sampling of requests without their own seed)"})
     adaptive_threads: bool = field(default=True, metadata={
         "help": "on CPU, run each round on the CPUs other processes leave free (from /proc/stat; at most torch's "
@@ -81,6 +84,10 @@ class EngineConfig:
             raise ValueError("host_memory_gb: a host tier needs the one budget (leave checkpoint_share unset)")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {self.context_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.context_parallel_size > 1:
+            raise ValueError("context_parallel_size: tensor and context parallelism together are not supported")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         for name, kind in SECTIONS.items():

@@ -13,7 +13,7 @@ import torch
 from hybridserve.config import EngineConfig
 from hybridserve.host import ThreadGovernor, keep_freed_memory
 from hybridserve.outputs import Detokenizer, RequestOutput
-from hybridserve.parallel import TensorParallelRunner, Workers
+from hybridserve.parallel import ParallelRunner, Workers
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
 from kernels import native
@@ -87,7 +87,7 @@ class Engine:
         torch.manual_seed(config.seed)
         self.path = model_path(config)
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-        world = config.tensor_parallel_size
+        world = config.tensor_parallel_size * config.context_parallel_size
         self.workers = Workers(config, world) if world > 1 else None  # ranks 1..N-1 (hybridserve/parallel.py)
         try:
             self._build(config, dtype, world)
@@ -98,25 +98,27 @@ class Engine:
     def _build(self, config: EngineConfig, dtype: torch.dtype | None, world: int) -> None:
         if self.workers:
             torch.set_num_threads(max(1, torch.get_num_threads() // world))
+        tp = config.tensor_parallel_size
         self.model, self.model_config = load_model(self.path, config.device, dtype,
-                                                   tp=TensorParallel.of() if self.workers else None)
+                                                   tp=TensorParallel.of() if tp > 1 else None)
         self.model_name = config.model if config.model == "builtin" else self.path.name
         self.tokenizer = load_tokenizer(config.model, self.path)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         self.plan, kv_pool, state_pool, host = build_memory(config, mc, config.device)
         self.memory = Memory(kv_pool.buffers, state_pool.buffers, config.page_size)
-        params = sum(p.numel() for p in self.model.parameters()) * world  # (embedding and lm_head counted N times)
+        params = sum(p.numel() for p in self.model.parameters()) * tp  # (embedding and lm_head counted N times)
         self.cache = StateRadixCache(kv_pool, state_pool, mc.kernel_chunks, config.cache,
                                      flops=PrefillFlops(2.0 * params), host=host)
         self.sampler = Sampler(config.device)
         if self.workers:
             journal = Journal({"kv": kv_pool, "state": state_pool, "host": host})
-            self.executor: Executor = TensorParallelRunner(self.model, self.memory, config.device, self.sampler,
-                                                           state_pool.row, self.workers, journal)
+            self.executor: Executor = ParallelRunner(self.model, self.memory, config.device, self.sampler,
+                                                     state_pool.row, self.workers, journal,
+                                                     cp=config.context_parallel_size, align=self.cache.granularity)
         else:
             self.executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
-        cost = self._with_host_link(self._cost_model())
+        cost = self._with_host_link(self._cost_model()).context_parallel(config.context_parallel_size)
         self.scheduler = Scheduler(self.cache, config.scheduler, cost, time.monotonic)
         self.requests: dict[str, tuple[Req, Detokenizer]] = {}
         self._ids = itertools.count()
@@ -124,9 +126,9 @@ class Engine:
         self.drift: Drift | None = Drift()  # None once it has warned
         self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
                                             else set())
+        ranks = f", {world} ranks (tensor x{tp}, context x{config.context_parallel_size}; per rank below)"
         log.info("model %s (%s, %s), policy %s%s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
-                 config.scheduler.policy, f", tensor parallel x{world} (per rank below)" if self.workers else "",
-                 self.plan.report())
+                 config.scheduler.policy, ranks if self.workers else "", self.plan.report())
 
     def _profile_name(self) -> str | None:
         """The profile the engine loads: the configured one, else for the built-in model on CPU
@@ -146,8 +148,8 @@ class Engine:
         if not policy_class(self.config.scheduler.policy).uses_cost_model:
             return CostModel()
         if self.workers:
-            raise ValueError("cost_profile: with tensor_parallel_size > 1 give a profile (`hybridserve calibrate` "
-                             "fits one on a single rank) or a policy that needs none (tokens, budget)")
+            raise ValueError("cost_profile: with several ranks give a profile (`hybridserve calibrate` fits one on a "
+                             "single rank) or a policy that needs none (tokens, budget)")
         from hybridserve.calibrate import calibrate
 
         return calibrate(self.model, self.model_config, self.memory, self.cache, quick=True)

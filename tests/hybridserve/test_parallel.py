@@ -1,7 +1,8 @@
-"""The engine under tensor parallelism (hybridserve/parallel.py): two gloo ranks on this CPU
-serve the same greedy tokens as one, through cache hits, the one budget's checkpoint pages and
-a host-tier round trip (the pools' copies replayed on rank 1); aborts and a failed round free
-every page and slot."""
+"""The engine on two gloo ranks (hybridserve/parallel.py). Tensor parallel: the same greedy
+tokens as one rank, through cache hits, the one budget's checkpoint pages and a host-tier
+round trip (the pools' copies replayed on rank 1); aborts and a failed round free every page
+and slot. Context parallel: long prefills split across the ranks, beside replicated work, give
+the tokens of one rank."""
 import json
 
 import pytest
@@ -130,6 +131,29 @@ def test_tp2_abort_and_failed_round_free_everything(models, monkeypatch):
         eng.close()
 
 
+@pytest.mark.parametrize("family", ["kimi", "qwen3-next", "nemotron-h"])
+def test_cp2_serves_the_tokens_of_cp1(models, family):
+    """A 100-token prompt (one replicated round), then three prompts extending it by 300 tokens
+    in one round (the longest split across the ranks, attending over the first prompt's KV in
+    each rank's replica; the others replicated), decode, a prompt extending a replicated one
+    (split, over KV the replicated part wrote), and a resend in reverse order from the cache:
+    CP=2's greedy tokens equal CP=1's, logprobs within 1e-5."""
+    first = harness.prompt(97, 100, 0)
+    prompts = [first] + [first + harness.prompt(97, 300, i + 1) for i in range(3)]
+    longer = prompts[3] + harness.prompt(97, 300, 9)  # resumes from a prompt the split round did not split
+    knobs = dict(policy="tokens", token_budget=1024)
+    one = _engine(models[family], **knobs)
+    want = _scored(one, prompts[:1]) + _scored(one, prompts[1:]) + _scored(one, [longer])
+    two = _engine(models[family], context_parallel_size=2, **knobs)
+    try:
+        _same(_scored(two, prompts[:1]) + _scored(two, prompts[1:]) + _scored(two, [longer]), want)
+        assert two.executor.split_rounds >= 2
+        _same(_scored(two, prompts[:0:-1]), want[3:0:-1])
+        assert two.audit() == FREE
+    finally:
+        two.close()
+
+
 def test_tp_settings_are_checked(models):
     """A size below 1, heads that do not split, and a missing cost profile are refused by name."""
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -138,6 +162,8 @@ def test_tp_settings_are_checked(models):
         _engine(models["kimi"], tensor_parallel_size=3)
     with pytest.raises(ValueError, match="cost_profile"):
         Engine(model=models["kimi"][0], dtype="float32", memory_gb=0.002, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="together are not supported"):
+        _engine(models["kimi"], tensor_parallel_size=2, context_parallel_size=2)
 
 
 @pytest.mark.gpu
