@@ -53,7 +53,8 @@ class Workers:
 
     def __init__(self, config, world: int):
         if dist.is_initialized():
-            raise ValueError("tensor_parallel_size: this process already has a torch.distributed group")
+            raise ValueError("tensor_parallel_size, context_parallel_size: this process already has a "
+                             "torch.distributed group; one multi-rank engine per process")
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory()
         store = "file://" + os.path.join(self._dir.name, "store")
