@@ -131,7 +131,7 @@ def test_tp2_abort_and_failed_round_free_everything(models, monkeypatch):
         eng.close()
 
 
-@pytest.mark.parametrize("family", ["kimi", "qwen3-next", "nemotron-h"])
+@pytest.mark.parametrize("family", ["kimi", "nemotron-h"])  # Qwen3-Next's GDN: the delta rule Kimi's KDA runs
 def test_cp2_serves_the_tokens_of_cp1(models, family):
     """A 100-token prompt (one replicated round), then three prompts extending it by 300 tokens
     in one round (the longest split across the ranks, attending over the first prompt's KV in
