@@ -306,7 +306,7 @@ class Engine:
         """Counters and pool usage for metrics."""
         s = self.scheduler
         out = {"waiting": len(s.waiting), "running": len(s.running), **s.counters,
-               "cache": s.cache_stats()._asdict()}
+               "split_rounds": getattr(self.executor, "split_rounds", 0), "cache": s.cache_stats()._asdict()}
         if self.threads is not None:
             out["threads"] = {"threads": self.threads.threads, "others_busy": self.threads.others}
         return out

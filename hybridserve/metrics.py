@@ -40,6 +40,8 @@ COUNTERS = {
     "cache.bytes_to_host": ("host_bytes_written", "Bytes of KV and checkpoints moved to the host tier."),
     "cache.bytes_from_host": ("host_bytes_read", "Bytes of KV and checkpoints loaded back from the host tier."),
     "host_recomputes": ("host_recomputes", "Host-tier hits recomputed instead, the copy being priced slower."),
+    "split_rounds": ("context_parallel_rounds", "Rounds whose longest prefill ran split across the context-parallel "
+                                                "ranks."),
 }
 # gauge prefix -> stats["cache"] keys (total, free, held by the prefix cache), what it counts
 POOLS = {

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hybridserve import Engine
+from hybridserve.metrics import Metrics
 from hybridserve.sampling import SamplingParams
 from tests.hybridserve.test_engine_admission import _drain
 from tests.models import harness
@@ -137,7 +138,7 @@ def test_cp2_serves_the_tokens_of_cp1(models, family):
     in one round (the longest split across the ranks, attending over the first prompt's KV in
     each rank's replica; the others replicated), decode, a prompt extending a replicated one
     (split, over KV the replicated part wrote), and a resend in reverse order from the cache:
-    CP=2's greedy tokens equal CP=1's, logprobs within 1e-5."""
+    CP=2's greedy tokens equal CP=1's, logprobs within 1e-5; /metrics counts the split rounds."""
     first = harness.prompt(97, 100, 0)
     prompts = [first] + [first + harness.prompt(97, 300, i + 1) for i in range(3)]
     longer = prompts[3] + harness.prompt(97, 300, 9)  # resumes from a prompt the split round did not split
@@ -148,6 +149,8 @@ def test_cp2_serves_the_tokens_of_cp1(models, family):
     try:
         _same(_scored(two, prompts[:1]) + _scored(two, prompts[1:]) + _scored(two, [longer]), want)
         assert two.executor.split_rounds >= 2
+        text = Metrics(two.stats).render()[0].decode()
+        assert f"hybridserve_context_parallel_rounds_total {float(two.executor.split_rounds)}" in text
         _same(_scored(two, prompts[:0:-1]), want[3:0:-1])
         assert two.audit() == FREE
     finally:
