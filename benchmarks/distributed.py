@@ -78,13 +78,11 @@ def worker(path: str, tokens: int, dtype: str, split: bool) -> dict:
 
 def generate(world: int, threads: int, requests: int, new: int) -> dict:
     """One engine (its own process): seconds of one generate() and its tokens."""
-    import torch as _torch
-
     from hybridserve import LLM, SamplingParams
 
-    _torch.set_num_threads(threads * world)  # the engine gives each rank an N-th
-    g = _torch.Generator().manual_seed(0)
-    prompts = [_torch.randint(0, 256, (512,), generator=g).tolist() for _ in range(requests)]
+    torch.set_num_threads(threads * world)  # the engine gives each rank an N-th
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (512,), generator=g).tolist() for _ in range(requests)]
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     with LLM("builtin", dtype="float32", tensor_parallel_size=world, adaptive_threads=False,
              enable_prefix_cache=False) as llm:

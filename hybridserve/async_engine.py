@@ -269,7 +269,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
         except Exception:
             log.exception("aborting the unfinished requests failed")
-        self.engine.close()  # the tensor-parallel workers, if any
+        self.engine.close()  # a multi-rank engine's workers, if any
         err = EngineError(STOPPED, "shutting_down")
         for sink in self._sinks.values():
             self._deliver(sink.loop, [(sink.queue, err)])

@@ -19,8 +19,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def backend_for(device: str | None = None) -> str:
+    """NCCL for CUDA devices (for `device=None`: when CUDA is available), else gloo."""
+    cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+    return "nccl" if cuda else "gloo"
 
 
 def _rank_main(rank: int, world: int, store: str, backend: str, threads: int, fn: Callable, args: tuple,
@@ -43,7 +45,7 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), backend: str | None = 
     """fn(*args) on `world` ranks (fn and args picklable; fn at module level); results by rank."""
     if world < 1:
         raise ValueError(f"world: need at least one rank, got {world}")
-    backend = backend or default_backend()
+    backend = backend or backend_for()
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:

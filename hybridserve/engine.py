@@ -221,7 +221,7 @@ class Engine:
         return self.scheduler.abort(entry[0])
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+        """Stop the workers of a multi-rank engine, if any (idempotent)."""
         if self.workers:
             self.workers.close()
 

@@ -20,7 +20,7 @@ class LLM:
         self.engine = Engine(EngineConfig.from_settings(model=model, **settings))
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also on leaving a `with` block)."""
+        """Stop a multi-rank engine's workers, if any (also on leaving a `with` block)."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

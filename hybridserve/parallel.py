@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridserve.distributed import backend_for
 from hybridserve.runner import ModelRunner
 from models.batch import ForwardBatch, Memory, Segment
 from models.layers.context_parallel import context_parallel_batch
@@ -42,10 +43,6 @@ TIMEOUT = datetime.timedelta(minutes=5)  # a collective waiting this long on a r
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device: cuda:r on CUDA (one GPU per rank), else the configured one."""
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else device
-
-
-def backend(device: str) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 class Workers:
@@ -65,7 +62,8 @@ class Workers:
             proc.start()
             self.pipes.append(ours)
             self.procs.append(proc)
-        dist.init_process_group(backend(config.device), init_method=store, rank=0, world_size=world, timeout=TIMEOUT)
+        dist.init_process_group(backend_for(config.device), init_method=store, rank=0, world_size=world,
+                                timeout=TIMEOUT)
         self.alive = True
 
     def send(self, message) -> None:
@@ -157,7 +155,7 @@ def _worker(config, rank: int, world: int, store: str, pipe) -> None:
     device = rank_device(config.device, rank)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend(config.device), init_method=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    dist.init_process_group(backend_for(config.device), init_method=store, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
         dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -31,7 +31,7 @@ import json
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -172,7 +172,7 @@ class CostModel:
     @classmethod
     def from_json(cls, path: str | Path) -> "CostModel":
         data = json.loads(Path(path).read_text())
-        unknown = set(data) - set(COEFFS) - {"chunk", "attn_layers", "host_bytes_per_s", "cp", "cp_overhead", "meta"}
+        unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"{path}: unknown fields {sorted(unknown)}")
         return cls(**data)

@@ -69,7 +69,7 @@ class ContextParallel:
         (local, trans): s_0 = 0, s_{r+1} = apply(trans_r, s_r) + local_r. Rank 0's `local`
         already contains the segment's initial state."""
         locals_, transs = self.all_gather(local), self.all_gather(trans)
-        s, s_in = torch.zeros_like(local), torch.zeros_like(local)
+        s = s_in = torch.zeros_like(local)
         for r in range(self.world):
             if r == self.rank:
                 s_in = s
