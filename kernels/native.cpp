@@ -67,6 +67,8 @@ at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Te
 std::vector<at::Tensor> delta_prepare(const at::Tensor& x, int64_t H, int64_t K, int64_t HV, int64_t V,
                                       const at::Tensor& a, const at::Tensor& A_log, const at::Tensor& dt_bias,
                                       const at::Tensor& b, double eps);
+at::Tensor gated_group_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, int64_t groups,
+                            double eps);
 at::Tensor rms_norm_rope(const at::Tensor& x, const at::Tensor& weight, double eps, double offset,
                          const at::Tensor& cos, const at::Tensor& sin);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -96,6 +98,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_dispatch", &moe_dispatch, nogil, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
   m.def("moe_combine", &moe_combine, nogil, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");
   m.def("delta_prepare", &delta_prepare, nogil, "KDA / GDN q, k, v, g, beta from a layer's conv output (kernels/kda/cpu_prepare.cpp)");
+  m.def("gated_group_norm", &gated_group_norm, nogil, "Mamba2's gate-first grouped RMS norm, one pass per row (kernels/norm/cpu_norm.cpp)");
   m.def("rms_norm_rope", &rms_norm_rope, nogil, "RMS norm with an offset weight, then RoPE, of q or k heads (kernels/norm/cpu_norm.cpp)");
   m.def("add_rms_norm", &add_rms_norm, nogil, "the residual add and the next RMS norm in one pass (kernels/norm/cpu_norm.cpp)");
   m.def("topk_softmax", &topk_softmax, nogil, "softmax routing: top-k probabilities and experts (kernels/moe/cpu_moe.cpp)");

@@ -220,6 +220,15 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = Fals
     return ext.rms_norm(_dense(x), _f32(weight), eps, offset, cast_first, g, act)
 
 
+def gated_group_norm(x, z, weight, groups: int, eps: float) -> torch.Tensor | None:
+    """models/nemotron_h.py's gated norm in one pass: w * norm(x * silu(z)) for x, z [T, D] (z may be
+    a column range), the RMS over each of `groups` channel groups, in fp32, cast to z's dtype;
+    None where the kernel cannot run."""
+    ok = _routable(x) and _routable(z) and z.shape == x.shape and x.dim() == 2 and x.shape[-1] % groups == 0
+    ext = extension() if ok else None
+    return None if ext is None else ext.gated_group_norm(_dense(x), _rows(z), _f32(weight), groups, eps)
+
+
 def add_rms_norm(x, residual, weight, eps: float, offset: float, cast_first: bool) -> tuple | None:
     """(rms_norm(x + residual), x + residual) in one pass, the sum rounded to x's dtype as torch's
     add rounds it; None where the kernel cannot run."""

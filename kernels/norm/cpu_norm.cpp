@@ -1,7 +1,8 @@
 // RMS norms in one pass per row, built and called by kernels/native.py for models/layers/norm.py:
 // y = x / rms(x) in fp32, then either times (offset + w) and an optional activated gate, cast
 // once to x's dtype (RMSNorm with an offset, GatedRMSNorm), or cast to x's dtype first and
-// times w in that dtype (RMSNorm without an offset, as the reference models round).
+// times w in that dtype (RMSNorm without an offset, as the reference models round). And the
+// gate-first grouped form of Mamba2 layers: y = w * norm(x * silu(z)) over each channel group.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -110,7 +111,58 @@ void norm_rope_rows(const T* x, int64_t s0, int64_t s1, int64_t tokens, int64_t 
   });
 }
 
+// Rows of D = groups * Dg: v = x * silu(z) in fp32, each group's v / rms(v), times w, rounded to
+// O. The same operations in the same order as models/nemotron_h.py's torch path.
+template <typename X, typename Z, typename O>
+void gated_group_rows(const X* x, const Z* z, int64_t ldz, const float* w, int64_t groups, float eps, int64_t rows,
+                      int64_t D, O* y) {
+  const int64_t Dg = D / groups;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const X* xr = x + r * D;
+      const Z* zr = z + r * ldz;
+      O* yr = y + r * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) v[d] = as_float(xr[d]) * (as_float(zr[d]) / (1.f + std::exp(-as_float(zr[d]))));
+      for (int64_t g = 0; g < groups; ++g) {
+        const float inv = inv_rms(v.data() + g * Dg, Dg, eps);
+#pragma omp simd
+        for (int64_t d = g * Dg; d < (g + 1) * Dg; ++d) yr[d] = narrow<O>(w[d] * (v[d] * inv));
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// Mamba2's gated norm: x [T, D] fp32 or bf16 contiguous, z [T, D] fp32 or bf16 with unit stride in
+// D (a column range of the projection); weight [D] fp32; D a multiple of groups. Returns
+// w * norm(x * silu(z)) [T, D], the RMS taken over each of the groups, in z's dtype.
+at::Tensor gated_group_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight, int64_t groups,
+                            double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && z.sizes() == x.sizes() && z.stride(1) == 1,
+              "gated_group_norm: contiguous x [T, D], z [T, D] with unit stride in D");
+  const int64_t D = x.size(1), rows = x.size(0);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == D,
+              "gated_group_norm: fp32 weight [D]");
+  TORCH_CHECK(groups > 0 && D % groups == 0, "gated_group_norm: groups must divide D");
+  auto y = at::empty(x.sizes(), z.options());
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "gated_group_norm", [&] {
+    using X = scalar_t;
+    if (z.scalar_type() == at::kBFloat16)
+      gated_group_rows<X, c10::BFloat16, c10::BFloat16>(x.data_ptr<X>(), z.data_ptr<c10::BFloat16>(), z.stride(0), wp, groups, e,
+                                                        rows, D, y.data_ptr<c10::BFloat16>());
+    else {
+      TORCH_CHECK(z.scalar_type() == at::kFloat, "gated_group_norm: fp32 or bf16 z");
+      gated_group_rows<X, float, float>(x.data_ptr<X>(), z.data_ptr<float>(), z.stride(0), wp, groups, e, rows, D,
+                                        y.data_ptr<float>());
+    }
+  });
+  return y;
+}
 
 // x [..., D] with a contiguous layout (fp32 or bf16); weight [D] fp32; gate [..., D] like x's
 // shape (fp32 or bf16) or empty; act "silu", "sigmoid" or "" for the gate. Returns y in x's

@@ -12,7 +12,7 @@ from kernels import native
 from models.layers.linear import Linear, fused_linear
 from models.layers.tensor_parallel import ffn
 
-ACTS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square(), "gelu": F.gelu}
+ACTS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square_(), "gelu": F.gelu}  # relu2: squared in place
 
 
 class GatedMLP(nn.Module):

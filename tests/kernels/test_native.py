@@ -407,6 +407,31 @@ def test_rms_norm_equals_torch_norm(dtype, form, monkeypatch):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_gated_group_norm_equals_torch_norm(dtype, groups, monkeypatch):
+    """The compiled Mamba2 output norm gives models/nemotron_h.py's torch formulation: w * norm(x *
+    silu(z)) per channel group, fp32 x (the SSD output), z a column range of a projection in the
+    model dtype, the result in z's dtype."""
+    from models.nemotron_h import GroupedGatedRMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = GroupedGatedRMSNorm(64, groups, 1e-5)
+    x = torch.randn(11, 64, generator=gen) * 3
+    proj = torch.randn(11, 64 + 40, generator=gen).to(dtype)
+    z = proj[:, 40:]  # rows 104 apart, as `split` leaves them
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen))
+        got = norm(x, z)
+        with monkeypatch.context() as m:
+            m.setattr(native, "gated_group_norm", lambda *a, **k: None)
+            want = norm(x, z)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    tol = 2e-6 if dtype == torch.float32 else 1e-2  # bf16 outputs: one rounding apart at most
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_build_lock_clears_a_killed_builds_lock_file(tmp_path):
     """torch's lock file, left by a build that was killed, does not make the next build wait."""
     (tmp_path / "lock").touch()
