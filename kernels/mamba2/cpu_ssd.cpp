@@ -1,5 +1,6 @@
 // Mamba2 SSD prefill on CPU, built and called by kernels/native.py: the rule of
-// kernels/mamba2/chunk.py per (sequence, head) job, the state h [P, S] advanced in place.
+// kernels/mamba2/chunk.py per (sequence, group, heads) job, each head's state h [P, S] advanced
+// in place.
 // Per chunk of c <= L tokens counted from the sequence start, with a_t = dt_t A (<= 0),
 // seg[i, j] = a_{j+1} + ... + a_i (summed over the range, in the torch path's order) and
 // acum_i = a_0 + ... + a_i:
@@ -27,10 +28,10 @@ struct Sizes {
 };
 
 struct Scratch {
-  std::vector<float> x, xs, B, C, scores, y, a, acum, seg, dts;
+  std::vector<float> x, xs, B, C, Cs, cb, scores, y, a, acum, seg, dts;
   Scratch(const Sizes& s)
-      : x(s.L * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), scores(s.L * s.L), y(s.L * s.P), a(s.L),
-        acum(s.L), seg(s.L), dts(s.L) {}
+      : x(s.L * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), Cs(s.L * s.S), cb(s.L * s.L), scores(s.L * s.L),
+        y(s.L * s.P), a(s.L), acum(s.L), seg(s.L), dts(s.L) {}
 };
 
 template <typename T>
@@ -39,23 +40,33 @@ struct Inputs {
   const float *dt, *A, *D;  // D may be null
 };
 
+// The chunk's B and C of group g, and C_i . B_j [c, c] (shared by the group's heads).
+template <typename T>
+void group_inputs(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, int64_t g, Scratch& w) {
+  const int64_t S = s.S;
+  float *B = w.B.data(), *C = w.C.data();
+  for (int64_t i = 0; i < c; ++i)
+    for (int64_t d = 0; d < S; ++d) {
+      B[i * S + d] = as_float(in.B[((t0 + i) * s.G + g) * S + d]);
+      C[i * S + d] = as_float(in.C[((t0 + i) * s.G + g) * S + d]);
+    }
+  mm(false, true, c, c, S, 1.f, C, S, B, S, 0.f, w.cb.data(), s.L);  // C_i . B_j
+}
+
+// One head's chunk, after group_inputs of its group.
 template <typename T>
 void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, int64_t hd, float* h, Scratch& w) {
-  const int64_t P = s.P, S = s.S, L = s.L, g = hd / (s.H / s.G);
-  float *x = w.x.data(), *xs = w.xs.data(), *B = w.B.data(), *C = w.C.data(), *sc = w.scores.data();
+  const int64_t P = s.P, S = s.S, L = s.L;
+  float *x = w.x.data(), *xs = w.xs.data(), *B = w.B.data(), *C = w.Cs.data(), *sc = w.scores.data();
   float *y = w.y.data(), *a = w.a.data(), *acum = w.acum.data();
   const float A = in.A[hd];
   for (int64_t i = 0; i < c; ++i) {
     const int64_t t = t0 + i;
     for (int64_t p = 0; p < P; ++p) x[i * P + p] = as_float(in.x[(t * s.H + hd) * P + p]);
-    for (int64_t d = 0; d < S; ++d) {
-      B[i * S + d] = as_float(in.B[(t * s.G + g) * S + d]);
-      C[i * S + d] = as_float(in.C[(t * s.G + g) * S + d]);
-    }
     a[i] = in.dt[t * s.H + hd] * A;
     acum[i] = (i ? acum[i - 1] : 0.f) + a[i];
   }
-  mm(false, true, c, c, S, 1.f, C, S, B, S, 0.f, sc, L);  // C_i . B_j
+  std::copy(w.cb.begin(), w.cb.begin() + c * L, sc);
   // times exp(seg[i, j]) dt_j below the diagonal, 0 above, a row at a time: seg[j] holds
   // a_{j+1} + ... + a_i, summed in that order as i grows (the torch path's order)
   float *seg = w.seg.data(), *dts = w.dts.data();
@@ -77,7 +88,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
   mm(false, false, c, P, c, 1.f, sc, L, x, P, 0.f, y, P);  // intra-chunk
   for (int64_t i = 0; i < c; ++i) {                          // C_i exp(acum_i), then the entry state's share
     const float e = std::exp(acum[i]);
-    for (int64_t d = 0; d < S; ++d) C[i * S + d] *= e;
+    for (int64_t d = 0; d < S; ++d) C[i * S + d] = w.C[i * S + d] * e;
   }
   mm(false, true, c, P, S, 1.f, C, S, h, S, 1.f, y, P);
   const float total = std::exp(acum[c - 1]);
@@ -90,26 +101,32 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
   }
 }
 
+// Jobs are (sequence, group, block of the group's heads): each chunk's C . B^T is made once per
+// job; the heads are split into blocks only as far as needed to give every thread work.
 template <typename T>
-void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>& cu, const std::vector<int64_t>& jobs,
+void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>& cu, const std::vector<int64_t>& seqs,
          const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* sp, float* ksp) {
-  const int64_t H = s.H, PS = s.P * s.S, J = static_cast<int64_t>(jobs.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
-#pragma omp parallel num_threads(threads)
+  const int64_t H = s.H, R = s.H / s.G, PS = s.P * s.S, N = static_cast<int64_t>(seqs.size());
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = std::clamp<int64_t>((4 * threads + N * s.G - 1) / std::max<int64_t>(N * s.G, 1), 1, R);
+  const int64_t per = (R + split - 1) / split, blocks = (R + per - 1) / per, J = N * s.G * blocks;
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min(threads, J)))
   {
     FlushDenormals flush;
     Scratch w(s);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t j = 0; j < J; ++j) {
-      const int64_t n = jobs[j] / H, hd = jobs[j] % H;
-      float* h = sp + (n * H + hd) * PS;
+    for (int64_t j = 0; j < J; ++j) {  // longest sequences first
+      const int64_t n = seqs[j / (s.G * blocks)], g = j / blocks % s.G, h0 = g * R + j % blocks * per;
+      const int64_t h1 = std::min(h0 + per, (g + 1) * R);
       const auto& plan = captures[n];
       size_t next = 0;
       for (int64_t t = cu[n]; t < cu[n + 1]; t += s.L) {
         const int64_t c = std::min(s.L, cu[n + 1] - t);
-        chunk(s, in, op, t, c, hd, h, w);
+        group_inputs(s, in, t, c, g, w);
+        for (int64_t hd = h0; hd < h1; ++hd) chunk(s, in, op, t, c, hd, sp + (n * H + hd) * PS, w);
         for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
-          std::copy(h, h + PS, ksp + (plan[next].second * H + hd) * PS);
+          for (int64_t hd = h0; hd < h1; ++hd)
+            std::copy(sp + (n * H + hd) * PS, sp + (n * H + hd + 1) * PS, ksp + (plan[next].second * H + hd) * PS);
       }
     }
   }
@@ -144,16 +161,14 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tens
   auto out = at::empty_like(x);
   auto states = at::empty({ck.size(0), H, s.P, s.S}, state.options());
   auto Df = D.numel() ? D.to(at::kFloat).contiguous() : D;
-  std::vector<int64_t> jobs(N * H);  // longest sequences first
-  std::iota(jobs.begin(), jobs.end(), 0);
-  std::stable_sort(jobs.begin(), jobs.end(), [&](int64_t p, int64_t q) {
-    return cu[p / H + 1] - cu[p / H] > cu[q / H + 1] - cu[q / H];
-  });
+  std::vector<int64_t> seqs(N);  // longest first
+  std::iota(seqs.begin(), seqs.end(), 0);
+  std::stable_sort(seqs.begin(), seqs.end(), [&](int64_t p, int64_t q) { return cu[p + 1] - cu[p] > cu[q + 1] - cu[q]; });
   float *sp = state.data_ptr<float>(), *ksp = states.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "chunk_ssd", [&] {
     const Inputs<scalar_t> in{x.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(),
                               dt.data_ptr<float>(), A.data_ptr<float>(), D.numel() ? Df.data_ptr<float>() : nullptr};
-    run(s, in, out.data_ptr<scalar_t>(), cu, jobs, captures, sp, ksp);
+    run(s, in, out.data_ptr<scalar_t>(), cu, seqs, captures, sp, ksp);
   });
   return {out, states};
 }

@@ -297,6 +297,33 @@ def test_ssd_kernel_equals_torch_ssd(dtype, blas, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("lengths", [[150], [70, 45], [70, 0, 33, 64, 9]])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ssd_kernel_head_blocks_equal_torch_ssd(lengths, threads, monkeypatch):
+    """However the compiled SSD splits a group's heads into jobs (one sequence: a head per job;
+    two: blocks of two heads and one; five: the whole group, three heads sharing C . B^T), every
+    head gets the torch chunk path's outputs, final and checkpoint states."""
+    from kernels.mamba2 import chunk_ssd
+    from tests.kernels.test_mamba2 import cu_of, make_inputs, random_state
+
+    x = make_inputs(sum(lengths), H=6, G=2)
+    state = random_state(len(lengths), H=6)
+    ends = torch.tensor(lengths).cumsum(0)
+    args = dict(output_final_state=True, cu_seqlens=cu_of(lengths), checkpoint_at=ends[torch.tensor(lengths) > 0],
+                chunk_size=32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = chunk_ssd(*x, initial_state=state.clone(), **args)
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setattr(native, "chunk_ssd", lambda *a: None)
+    reference = chunk_ssd(*x, initial_state=state.clone(), **args)
+    for got, want in zip(compiled, reference):
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("activation", ["silu", None])
