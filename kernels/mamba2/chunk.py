@@ -5,7 +5,8 @@ chunk padded with dt = 0, which neither decays nor feeds the state). Inside a ch
 output is a masked matmul with decays exp(segment sums); between chunks one loop carries the
 state, batched over sequences. The chunk-entry states it keeps are the checkpoints.
 Where the compiled CPU kernels are built (kernels/native.py), the same rule runs in
-mamba2/cpu_ssd.cpp instead: one job per (sequence, head), chunks in order, state in place.
+mamba2/cpu_ssd.cpp instead: one job per (sequence, group, block of heads), chunks in order,
+states in place.
 """
 from __future__ import annotations
 
