@@ -33,7 +33,7 @@ CAPACITIES = {"mooncake": [10, 40, 160, 640]}  # GB; the larger ones are more th
 SMALL_CAPACITIES = [2.5, 10, 40]  # the generated traces are smaller: they fit in 40 GB
 DEFAULT_MOONCAKE = 2000  # requests of the Mooncake hour in the default run (the first ~9 minutes)
 REFERENCES = ("unbounded", "offline")
-SWEPT = [p for p in POLICIES if p.startswith("ours-split-") or "+host" in p]  # the memory study's variants
+SWEPT = [p for p in POLICIES if p.startswith("ours-split-") or "+host" in p or p == "ours-unified-utility"]
 DEFAULT = [p for p in POLICIES if p not in SWEPT]
 MEMORY = ["ours-unified", "ours-split", *SWEPT, "unbounded"]
 
@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path, default=RESULTS / "checkpoint_hit.json",
                     help="where to write the rows (the .md summary and the PNGs go beside it)")
     ap.add_argument("--recency-weight", type=float,
-                    help="eviction_recency_weight of the ours-* policies (default: CacheConfig's)")
+                    help="eviction_recency_weight of the ours-* policies (used by those with utility eviction: "
+                         "ours-unified-utility; default: CacheConfig's)")
     ap.add_argument("--real", action="store_true", help="check the engine's counters against the replay instead")
     args = ap.parse_args(argv)
     if args.real:

@@ -128,9 +128,9 @@ def _share(policy: str) -> float | None:
 def memory_table(rows: list[dict]) -> str:
     """Markdown: per trace and device capacity, the one budget against every static split (the
     best marked) and with each host tier, beside the unbounded bound."""
-    lines = ["| trace | device GB | ours-unified | best static split (share) | worst static split (share) | "
-             + " | ".join(p for p in POLICIES if "+host" in p) + " | unbounded |",
-             "|---|---|---|---|---|" + "---|" * sum("+host" in p for p in POLICIES) + "---|"]
+    lines = ["| trace | device GB | ours-unified | ours-unified-utility | best static split (share) | "
+             "worst static split (share) | " + " | ".join(p for p in POLICIES if "+host" in p) + " | unbounded |",
+             "|---|---|---|---|---|---|" + "---|" * sum("+host" in p for p in POLICIES) + "---|"]
     for name, trace_rows in by_trace(rows).items():
         bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), float("nan"))
         for cap in sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"}):
@@ -141,7 +141,8 @@ def memory_table(rows: list[dict]) -> str:
             if "ours-unified" not in at or not splits:
                 continue
             host = " | ".join(f"{at[p]['token_hit_rate']:.1%}" if p in at else "-" for p in POLICIES if "+host" in p)
-            lines.append(f"| {name} | {cap / GB:g} | {at['ours-unified']['token_hit_rate']:.1%} | "
+            previous = f"{at['ours-unified-utility']['token_hit_rate']:.1%}" if "ours-unified-utility" in at else "-"
+            lines.append(f"| {name} | {cap / GB:g} | {at['ours-unified']['token_hit_rate']:.1%} | {previous} | "
                          f"{splits[-1][0]:.1%} ({splits[-1][1]:g}) | {splits[0][0]:.1%} ({splits[0][1]:g}) | "
                          f"{host} | {bound:.1%} |"
                          + (f" static split at {', '.join(refused)} refuses requests longer than its KV pool" if refused
@@ -191,6 +192,9 @@ def plot_memory(rows: list[dict], path: Path) -> None:
             for r in at:
                 if r["policy"] == "ours-unified":
                     ax.axhline(r["token_hit_rate"], color=color, lw=2.4, label=f"one budget, {cap / GB:g} GB")
+                elif r["policy"] == "ours-unified-utility":
+                    ax.axhline(r["token_hit_rate"], color=color, ls="-.", lw=1.2,
+                               label=f"one budget, utility eviction (previous), {cap / GB:g} GB")
                 elif "+host" in r["policy"]:
                     ax.axhline(r["token_hit_rate"], color=color, ls=":", lw=2,
                                label=f"one budget + {r['host_bytes'] / GB:g} GB host, {cap / GB:g} GB")
@@ -204,7 +208,8 @@ def plot_memory(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=6.5, loc="lower center")
     for ax in list(axes.flat)[len(traces):]:
         ax.axis("off")
-    fig.suptitle("One byte budget (solid) vs static KV/checkpoint split (markers), and a host tier (dotted)\n"
+    fig.suptitle("One byte budget (solid; dash-dot: the previous utility eviction) vs static KV/checkpoint split "
+                 "(markers), and a host tier (dotted)\n"
                  "Kimi-Linear-48B on one H200, simulated; higher is better", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)

@@ -84,13 +84,15 @@ class Replayed:
 
 
 OTHERS = dict(checkpoint_chunk_ends="keep", checkpoint_hedge=None,  # ours' rules the other engines lack
-              eviction_shadowed_share=1.0)
+              eviction_shadowed_share=1.0, eviction_kind_rates=False)
 STAGING = EngineConfig().staging_rows
 SPLIT_SWEEP = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # checkpoint_share values of the static-split sweep
 HOST_GB = (256, 1000)  # host tiers replayed beside the device capacity
 POLICIES = {p.name: p for p in [
     Replayed("ours-unified", CacheConfig(), staging=STAGING,
              note="the engine's admission and eviction (CacheConfig()) on one byte budget (its default)"),
+    Replayed("ours-unified-utility", CacheConfig(eviction="utility", eviction_kind_rates=False), staging=STAGING,
+             note="the one budget under the previous eviction: FLOPs per byte blended with recency (weight 0.3)"),
     *[Replayed(f"ours-unified+host{gb}", CacheConfig(), staging=STAGING, host=gb * GB,
                note=f"the same plus a {gb} GB host tier (loads priced at the profile's host link)") for gb in HOST_GB],
     Replayed("ours-split", CacheConfig(), state_share=0.5,
@@ -110,7 +112,8 @@ POLICIES = {p.name: p for p in [
                                      eviction="lru"),
              page=vllm_block(chunk=64), note="a state for every block; one LRU"),
     Replayed("marconi", CacheConfig(checkpoint_chunk_ends="none", checkpoint_hedge=None, checkpoint_last_prompt="none",
-                                    eviction="utility", eviction_recency_weight=0.5, eviction_shadowed_share=1.0),
+                                    eviction="utility", eviction_recency_weight=0.5, eviction_shadowed_share=1.0,
+                                    eviction_kind_rates=False),
              note="branch points + last decoded token; recency + FLOPs/byte (alpha = 1); one budget"),
     Replayed("unbounded", CacheConfig(checkpoint_interval=64), unbounded=True,
              note="infinite capacity, a checkpoint at every G: no policy can hit more"),

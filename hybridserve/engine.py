@@ -306,7 +306,8 @@ class Engine:
         """Counters and pool usage for metrics."""
         s = self.scheduler
         out = {"waiting": len(s.waiting), "running": len(s.running), **s.counters,
-               "split_rounds": getattr(self.executor, "split_rounds", 0), "cache": s.cache_stats()._asdict()}
+               "split_rounds": getattr(self.executor, "split_rounds", 0), "cache": s.cache_stats()._asdict(),
+               "resume_rates": self.cache.kind_rates.snapshot()}
         if self.threads is not None:
             out["threads"] = {"threads": self.threads.threads, "others_busy": self.threads.others}
         return out

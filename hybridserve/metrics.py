@@ -129,6 +129,12 @@ class _EngineCollector(Collector):
             yield GaugeMetricFamily(PREFIX + f"{kind}_hit_rate", f"{kind}_hit_tokens / cache_lookup_tokens "
                                     "since start.", rate)
         yield _memory_bytes(s["cache"])
+        rates = GaugeMetricFamily(PREFIX + "checkpoint_resume_rate", "Resumes per checkpoint written (smoothed), by "
+                                  "the admission rule that wrote it; eviction weighs a checkpoint's FLOPs by it.",
+                                  labels=["kind"])
+        for kind, rate in s.get("resume_rates", {}).items():
+            rates.add_metric([kind], rate)
+        yield rates
         for name, (total, free, cached, what) in POOLS.items():
             c = s["cache"]
             yield GaugeMetricFamily(PREFIX + name + "_total", f"All {what}.", c[total])

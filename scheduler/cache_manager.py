@@ -93,7 +93,7 @@ class CacheManager:
         for pos, kind in self.admission.prefill(start, end, req.fill_len, req.branch_pos, req.share_points).items():
             if start % self.g and pos != end:
                 continue
-            slot = self.cache.alloc_checkpoint(self.reserved())
+            slot = self.cache.alloc_checkpoint(self.reserved(), kind=kind)
             if slot is None:
                 break  # checkpoints are an optimisation: run without the rest
             out.append((pos, slot))
@@ -119,13 +119,14 @@ class CacheManager:
         if decision is DecodeCheckpoint.NONE:
             return
         if decision is DecodeCheckpoint.KEEP:
-            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False)
+            kind = "interval" if self.admission.interval and pos % self.admission.interval == 0 else "decode"
+            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False, kind=kind)
             if slot is not None:
                 self.states.save(req.active_slot, slot)
                 self.stash(req, pos, {pos: slot})
             return
         if req.rolling_ckpt is None:  # rolling: reuse the request's one writable slot
-            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False)
+            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False, kind="decode")
             if slot is None:
                 return
         else:

@@ -41,6 +41,7 @@ def granularity(page_size: int, kernel_chunks: Mapping[str, int], grid: int | No
     return g if grid is None else grid
 
 
+HOST_INTERVAL = 2048  # checkpoint_interval when it is unset and a host tier holds what the device evicts
 CHUNK_ENDS = ("transient", "keep", "none")
 LAST_PROMPT = ("before-final", "floor", "none")
 DECODE = ("rolling", "every", "none")
@@ -85,9 +86,14 @@ class CheckpointAdmission:
     hedge: int | None = None
 
     @classmethod
-    def from_config(cls, g: int, config: CacheConfig) -> CheckpointAdmission:
+    def from_config(cls, g: int, config: CacheConfig, host: bool = False) -> CheckpointAdmission:
+        """host: a host tier keeps what the device evicts; an unset checkpoint_interval is then
+        HOST_INTERVAL (rounded up to the grid): mid-prompt states a re-rendered prompt resumes
+        from are worth their bytes when the host holds them (kind rates evict them first on the
+        device when they are not)."""
         hedge = config.checkpoint_hedge and -(-config.checkpoint_hedge // g) * g  # rounded up to the grid
-        return cls(g, config.checkpoint_interval, config.checkpoint_chunk_ends, config.checkpoint_last_prompt,
+        interval = config.checkpoint_interval or (-(-HOST_INTERVAL // g) * g if host else None)
+        return cls(g, interval, config.checkpoint_chunk_ends, config.checkpoint_last_prompt,
                    config.checkpoint_branch_points, config.checkpoint_decode, config.checkpoint_decode_grid, hedge)
 
     def __post_init__(self):

@@ -165,6 +165,11 @@ class EvictionPolicy(ABC):
         child was evicted), so it must accept values outside the fitted range.
         """
 
+    def evicted(self, priority: float, now: float) -> None:
+        """The cache evicted a candidate of this priority at time `now` (a policy with state,
+        such as gdsf's aging level, updates it here; default: nothing)."""
+        return None
+
 
 class PrefixCache(ABC):
     """A prefix cache over token ids for hybrid models (attention KV + recurrent checkpoints).
@@ -283,12 +288,14 @@ class PrefixCache(ABC):
         """Pages for a request, evicting cached ones if needed; None if that is not enough."""
 
     @abstractmethod
-    def alloc_checkpoint(self, keep_pages: int = 0, staged: bool = True) -> int | None:
+    def alloc_checkpoint(self, keep_pages: int = 0, staged: bool = True, kind: str | None = None) -> int | None:
         """A writable checkpoint slot, evicting if needed; None if everything is locked, or
         (under one byte budget) if taking it would leave fewer than keep_pages pages
         allocatable (free or evictable): bytes promised to running requests stay theirs.
         staged: a forward will write it (it needs a staging row under the unified budget);
-        False for one filled by save()."""
+        False for one filled by save(). kind: the admission rule that wants it (branch, last,
+        hedge, chunk, decode, interval); the checkpoint keeps it once inserted, and eviction
+        weighs it by how often that kind is resumed from."""
 
     @property
     def host_bytes_moved(self) -> int:

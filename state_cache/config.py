@@ -17,11 +17,16 @@ class CacheConfig:
     enable_prefix_cache: bool = field(default=True, metadata={
         "help": "resume requests from cached prefixes (KV + state checkpoints); off: compute every prompt "
                 "in full (what is computed is still cached)"})
-    eviction: str = field(default="utility", metadata={
-        "help": "prefix-cache eviction policy: lru, or utility (FLOPs saved per byte, blended with recency)",
+    eviction: str = field(default="gdsf", metadata={
+        "help": "prefix-cache eviction policy: gdsf (FLOPs saved per byte on top of an aging level that rises "
+                "to each evicted entry's worth), utility (FLOPs saved per byte blended with recency by "
+                "--eviction-recency-weight), lru",
         "choices": policy_names})
+    eviction_kind_rates: bool = field(default=True, metadata={
+        "help": "weigh a checkpoint's saved FLOPs by the resumes per checkpoint written of its admission kind "
+                "(branch, last, hedge, chunk, decode, interval), learned from the traffic; off: each counts once"})
     eviction_recency_weight: float = field(default=0.3, metadata={
-        "help": "weight of recency against FLOPs saved per byte in the utility eviction score (0..1)"})
+        "help": "utility eviction: weight of recency against FLOPs saved per byte (0..1)"})
     eviction_shadowed_share: float = field(default=0.3, metadata={
         "help": "share of its FLOPs a checkpoint counts in eviction when a deeper checkpoint sits on its only "
                 "continuation (it then serves only requests that stop in between, such as resends); 1: no discount"})
@@ -32,8 +37,8 @@ class CacheConfig:
         "help": "checkpoint positions are multiples of this many tokens (a multiple of G = max(kernel chunk, "
                 "page size)); unset: G"})
     checkpoint_interval: int | None = field(default=None, metadata={
-        "help": "also checkpoint every N tokens (a multiple of the checkpoint grid); unset: only where the "
-                "checkpoint_* rules say"})
+        "help": "also checkpoint every N tokens (a multiple of the checkpoint grid); unset: every 2048 tokens with "
+                "a host tier, else only where the other checkpoint_* rules say"})
     checkpoint_chunk_ends: str = field(default="transient", metadata={
         "help": "checkpoints at the ends of prefill chunks on the grid: transient (kept while their request runs: "
                 "concurrent requests with the same prefix and a retracted request resume there; dropped when it "

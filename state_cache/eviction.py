@@ -1,5 +1,9 @@
 """Eviction policies, selectable by name, and the FLOPs model they score with.
 
+    gdsf     GreedyDual-Size-Frequency (Cherkasova 1998): evict the lowest
+             L(last use) + FLOPs saved per byte, where L, the cache's aging level, rises to
+             each evicted priority; what was used since sits on a higher level. Recency and
+             value in one unit: no weight to tune.
     lru      evict the least recently used first.
     utility  evict the lowest blend of (FLOPs a checkpoint saves per byte it holds) and
              recency, each scaled to [0, 1] over the round's candidates; KV with no
@@ -9,6 +13,7 @@ Policies see only `Candidate`s (no tree, no tensors), so they run on trace repla
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -118,3 +123,74 @@ class UtilityPolicy(EvictionPolicy):
 
 def _utility(c: Candidate) -> float:
     return c.saved_flops / max(c.nbytes, 1)
+
+
+@register("gdsf")
+class GreedyDualPolicy(EvictionPolicy):
+    """priority = L(last_access) + saved_flops / nbytes.
+
+    L is the highest priority evicted so far, remembered as a step function of time: an entry
+    is aged by the level of when it was last used, so one untouched since L rose is evicted
+    before a newer one of equal worth, and one worth more per byte outlives it by that
+    margin. The last `history` level changes are kept; an entry used before the oldest of them
+    is aged as if used then.
+    """
+
+    def __init__(self, history: int = 4096):
+        if history < 1:
+            raise ValueError(f"history must be >= 1, got {history}")
+        self.history = history
+        self._times: list[float] = [float("-inf")]
+        self._levels: list[float] = [0.0]
+
+    def level(self, t: float) -> float:
+        """L as it was at time t."""
+        return self._levels[bisect.bisect_right(self._times, t) - 1]
+
+    def evicted(self, priority: float, now: float) -> None:
+        if priority <= self._levels[-1]:
+            return
+        if now <= self._times[-1]:
+            self._levels[-1] = priority
+        else:
+            self._times.append(now)
+            self._levels.append(priority)
+        if len(self._times) > 2 * self.history:
+            del self._times[1:-self.history], self._levels[1:-self.history]
+            self._levels[0] = self._levels[1]
+
+    def scorer(self, candidates: Sequence[Candidate]) -> Callable[[Candidate], float]:
+        return lambda c: self.level(c.last_access) + _utility(c)
+
+
+class KindRates:
+    """Resumes per checkpoint written, for each admission kind of checkpoint (branch, last,
+    hedge, chunk, decode, interval): how often the traffic comes back to where that rule
+    put a state. Counts halve every `window` checkpoints written, so the rates follow a
+    change of traffic."""
+
+    def __init__(self, window: int = 4096):
+        self.window = window
+        self._written: dict[str | None, float] = {}
+        self._resumed: dict[str | None, float] = {}
+        self._since = 0
+
+    def written(self, kind: str | None) -> None:
+        self._written[kind] = self._written.get(kind, 0.0) + 1
+        self._since += 1
+        if self._since >= self.window:
+            self._since = 0
+            for counts in (self._written, self._resumed):
+                for k in counts:
+                    counts[k] /= 2
+
+    def resumed(self, kind: str | None) -> None:
+        self._resumed[kind] = self._resumed.get(kind, 0.0) + 1
+
+    def rate(self, kind: str | None) -> float:
+        """(resumes + 1) / (written + 1): 1 before anything is known, then the observed rate."""
+        return (self._resumed.get(kind, 0.0) + 1) / (self._written.get(kind, 0.0) + 1)
+
+    def snapshot(self) -> dict[str, float]:
+        """{kind: rate} of every kind written so far ("other" for checkpoints given no kind)."""
+        return {k or "other": self.rate(k) for k in sorted(self._written, key=str)}

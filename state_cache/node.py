@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 
 class Node:
     __slots__ = ("key", "pages", "parent", "children", "start", "checkpoint", "lock_ref", "pins", "last_access",
-                 "resumed_at", "host", "host_ckpt")
+                 "resumed_at", "kind", "host", "host_ckpt")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None, start: int, now: float):
         self.key = key
@@ -24,6 +24,7 @@ class Node:
         self.pins = 0  # locks on this very node: its checkpoint stays too
         self.last_access = now  # a lookup or insert passed through (its KV was used)
         self.resumed_at = now  # a request resumed from its checkpoint (or the checkpoint was written)
+        self.kind: str | None = None  # the admission rule that wrote its checkpoint
         self.host = False  # pages are host-tier pages (never locked; every node below is on the host too)
         self.host_ckpt: list[int] | None = None  # a checkpoint moved to the host tier: its host pages
 

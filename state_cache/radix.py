@@ -27,7 +27,7 @@ from state_cache.base import (
     PrefixCache,
 )
 from state_cache.config import CacheConfig
-from state_cache.eviction import FlopsFn, as_flops, policy_class
+from state_cache.eviction import FlopsFn, KindRates, as_flops, policy_class
 from state_cache.kv_pool import KVPool
 from state_cache.node import Node, ancestors, common_pages, ids, iter_nodes, node_at, path_pages, split, walk
 from state_cache.state_pool import StatePool
@@ -70,8 +70,11 @@ class StateRadixCache(PrefixCache):
         self.page_size = kv_pool.page_size
         self.config = config = config or CacheConfig()
         self._g = granularity(self.page_size, kernel_chunks, config.checkpoint_grid)
-        self.admission = CheckpointAdmission.from_config(self._g, config)
+        self.admission = CheckpointAdmission.from_config(self._g, config, host=host is not None)
         self.policy: EvictionPolicy = policy or policy_class(config.eviction).from_config(config)
+        self.host_policy: EvictionPolicy = policy or policy_class(config.eviction).from_config(config)  # own state
+        self.kind_rates = KindRates()
+        self._slot_kind: dict[int, str | None] = {}  # allocated checkpoint slot -> its admission kind
         self.unified = state_pool.arena is not None
         if self.unified and state_pool.arena is not kv_pool:
             raise ValueError("state_pool: its arena must be this cache's KV pool")
@@ -173,6 +176,8 @@ class StateRadixCache(PrefixCache):
         c["state_hit_tokens"] += m.state_len
         self._flops_saved += self.flops(m.state_len)
         m.node.resumed_at = self._clock()
+        if m.state_len:
+            self.kind_rates.resumed(m.node.kind)
 
     def continues(self, node: Node | None, tokens: Sequence[int]) -> bool:
         node = node or self.root
@@ -295,12 +300,14 @@ class StateRadixCache(PrefixCache):
             at = self._node_at(base if p >= base.end else self.root, tokens, p)
             if at.checkpoint is None:
                 self._free_host_ckpt(at)  # the fresh state supersedes a copy on the host
-                at.checkpoint, at.resumed_at = slot, now
+                at.checkpoint, at.resumed_at, at.kind = slot, now, self._slot_kind.pop(slot, None)
+                self.kind_rates.written(at.kind)
                 self.state_pool.seal(slot)
                 self._holders[slot] = at
                 self._pinned_ckpts += at.pins > 0
                 added += 1
             elif at.checkpoint != slot:  # the tree already has this state
+                self._slot_kind.pop(slot, None)
                 self.state_pool.free(slot)
                 dropped += 1
         self._counters["inserted_pages"] += new
@@ -396,6 +403,8 @@ class StateRadixCache(PrefixCache):
         between it and the next checkpoint above it, where that request resumes instead."""
         above = next((y.end for y in ancestors(x.parent) if y.has_checkpoint), 0) if x.parent else 0
         saved = self.flops(x.end) - self.flops(above)
+        if self.config.eviction_kind_rates:
+            saved *= self.kind_rates.rate(x.kind)
         share = self.config.eviction_shadowed_share
         return saved * share if share < 1 and self._shadowed(x) else saved
 
@@ -410,9 +419,11 @@ class StateRadixCache(PrefixCache):
                 return True
         return False
 
-    def _ranked(self, cands: list[tuple[Candidate, bool]]) -> tuple[list, Callable[[Candidate], float]]:
-        """A heap of (priority, recency, tie, is_leaf, candidate) under the policy, and its scorer."""
-        score = self.policy.scorer([c for c, _ in cands])
+    def _ranked(self, cands: list[tuple[Candidate, bool]], policy: EvictionPolicy | None = None
+                ) -> tuple[list, Callable[[Candidate], float]]:
+        """A heap of (priority, recency, tie, is_leaf, candidate) under the policy (default: the
+        device tier's), and its scorer."""
+        score = (policy or self.policy).scorer([c for c, _ in cands])
         heap = [(score(c), c.last_access, next(self._tie), leaf, c) for c, leaf in cands]
         heapq.heapify(heap)
         return heap, score
@@ -422,7 +433,9 @@ class StateRadixCache(PrefixCache):
         heap, score = self._ranked([(self._leaf(x), True) for x in self._leaves if x.lock_ref == 0])
         pages = ckpts = 0
         while pages < num_pages and heap:
-            x = heapq.heappop(heap)[-1].node
+            priority, *_, c = heapq.heappop(heap)
+            self.policy.evicted(priority, self._clock())
+            x = c.node
             p, c, parent = self._drop_leaf(x)
             pages, ckpts = pages + p, ckpts + c
             if parent is not None:
@@ -442,7 +455,12 @@ class StateRadixCache(PrefixCache):
         cands = [self._state(x) for x in nodes]
         score = self.policy.scorer(cands)
         order = sorted(range(len(nodes)), key=lambda i: (score(cands[i]), cands[i].last_access))
-        return sum(self._evict_checkpoint(nodes[i]) for i in order[:max(num, 0)])
+        dropped = 0
+        for i in order[:max(num, 0)]:
+            if self._evict_checkpoint(nodes[i]):
+                dropped += 1
+                self.policy.evicted(score(cands[i]), self._clock())
+        return dropped
 
     def _checkpoint_tiers(self, inner_only: bool) -> tuple[list[Node], list[Node]]:
         """Device checkpoints that may be evicted: first the unlocked ones (inner_only: not on a
@@ -462,13 +480,16 @@ class StateRadixCache(PrefixCache):
                                    + [(self._state(x), False) for x in inner])
         goal, pages, ckpts = kv.num_free + num_pages, 0, 0
         while kv.num_free < goal and heap:
-            *_, leaf, c = heapq.heappop(heap)
+            priority, _, _, leaf, c = heapq.heappop(heap)
             x = c.node
             if not leaf:  # a lone checkpoint (gone already if its node went as a leaf)
-                ckpts += self._evict_checkpoint(x)
+                if self._evict_checkpoint(x):
+                    ckpts += 1
+                    self.policy.evicted(priority, self._clock())
                 continue
             if x.parent is None or x.host or x not in self._leaves:
                 continue  # evicted or moved meanwhile
+            self.policy.evicted(priority, self._clock())
             p, k, parent = self._drop_leaf(x)
             pages, ckpts = pages + p, ckpts + k
             if parent is not None:
@@ -586,14 +607,16 @@ class StateRadixCache(PrefixCache):
         heap, score = self._ranked(
             [(self._leaf(x), True) for x in self._host_leaves if x not in self._loading]
             + [(self._state(x), False) for x in self._host_ckpts if x not in self._host_leaves
-               and x not in self._loading])
+               and x not in self._loading], self.host_policy)
         goal = host.num_free + num_pages
         while host.num_free < goal and heap:
-            *_, leaf, c = heapq.heappop(heap)
+            priority, _, _, leaf, c = heapq.heappop(heap)
             x = c.node
             if not leaf:
                 self._free_host_ckpt(x)
+                self.host_policy.evicted(priority, self._clock())
             elif x.parent is not None and x in self._host_leaves:
+                self.host_policy.evicted(priority, self._clock())
                 parent = x.parent
                 self._discard(x)
                 if parent in self._host_leaves and parent not in self._loading:
@@ -634,7 +657,7 @@ class StateRadixCache(PrefixCache):
                     self.relock(held, x)
                     held = x
             if node.checkpoint is None:
-                slot = self.alloc_checkpoint(staged=False)
+                slot = self._alloc_checkpoint(0, staged=False)  # for a node that keeps its kind
                 if slot is None:
                     return False
                 self._copy(self.host, node.host_ckpt, self.kv_pool, self.state_pool.pages_of(slot))  # type: ignore
@@ -694,7 +717,13 @@ class StateRadixCache(PrefixCache):
             self.evict(num_pages=max(short, self._ahead_pages()))
         return self.kv_pool.alloc(num_pages)
 
-    def alloc_checkpoint(self, keep_pages: int = 0, staged: bool = True) -> int | None:
+    def alloc_checkpoint(self, keep_pages: int = 0, staged: bool = True, kind: str | None = None) -> int | None:
+        slot = self._alloc_checkpoint(keep_pages, staged)
+        if slot is not None:
+            self._slot_kind[slot] = kind
+        return slot
+
+    def _alloc_checkpoint(self, keep_pages: int, staged: bool) -> int | None:
         st = self.state_pool
         if not self.unified:
             if st.num_free_checkpoints == 0:

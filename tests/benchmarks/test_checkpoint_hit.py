@@ -116,3 +116,20 @@ def test_replay_counters_equal_the_engines(monkeypatch):
     sim = checkpoint_real.run_replay(eng, reqs, arrive, outs)
     assert real["lookups"] == len(reqs) and real["state_hit_tokens"] > 0
     assert {k: real[k] for k in checkpoint_real.COUNTERS} == {k: sim[k] for k in checkpoint_real.COUNTERS}
+
+
+def test_memory_table_marks_the_best_and_worst_split_and_the_previous_eviction():
+    """The memory study's table: the one budget (and under the previous utility eviction) beside
+    the best and worst static share, a share that refused requests named, not ranked."""
+    from benchmarks.checkpoint_report import memory_table
+
+    def row(policy, rate, capacity=2.5 * GB, rejected=0):
+        return {"trace": "t", "policy": policy, "capacity_bytes": capacity, "token_hit_rate": rate,
+                "rejected": rejected}
+
+    rows = [row("ours-unified", 0.5), row("ours-unified-utility", 0.4), row("ours-split-30", 0.45),
+            row("ours-split", 0.3), row("ours-split-90", 0.9, rejected=2), row("ours-unified+host1000", 0.7),
+            row("unbounded", 0.8, capacity=0.0)]
+    line = memory_table(rows).splitlines()[2]
+    assert line.startswith("| t | 2.5 | 50.0% | 40.0% | 45.0% (0.3) | 30.0% (0.5) | - | 70.0% | 80.0% |")
+    assert line.endswith("static split at 0.9 refuses requests longer than its KV pool")

@@ -81,6 +81,9 @@ def test_metrics_show_bytes_per_tier_and_host_hits(model):  # noqa: F811
         st.checkpoints_used * st.checkpoint_bytes > 0
     assert series["hybridserve_host_hit_tokens_total"] == st.host_hit_tokens > 0
     assert series["hybridserve_host_bytes_written_total"] == st.bytes_to_host > 0
+    rates = {k: series[f'hybridserve_checkpoint_resume_rate{{kind="{k}"}}'] for k in eng.cache.kind_rates.snapshot()}
+    assert rates == eng.cache.kind_rates.snapshot()
+    assert rates["last"] == (1 + 1) / (6 + 1)  # six prompts wrote one each; the repeated one resumed from its own
 
 
 def test_memory_settings_are_checked():

@@ -94,3 +94,16 @@ def test_each_position_names_the_rule_that_wants_it():
     assert a.prefill(960, 1000, 1000) == {}
     assert a.transient_kind == "chunk" and CheckpointAdmission(64, chunk_ends="keep").transient_kind is None
 
+
+
+def test_a_host_tier_adds_interval_checkpoints_unless_one_is_set():
+    """With a host tier an unset checkpoint_interval becomes HOST_INTERVAL rounded up to the
+    grid (states inside long prompts are kept where the host holds them); a set one stays."""
+    from state_cache.admission import HOST_INTERVAL
+
+    assert CheckpointAdmission.from_config(64, CacheConfig()).interval is None
+    assert CheckpointAdmission.from_config(64, CacheConfig(), host=True).interval == HOST_INTERVAL == 2048
+    assert CheckpointAdmission.from_config(1536, CacheConfig(), host=True).interval == 3072
+    assert CheckpointAdmission.from_config(64, CacheConfig(checkpoint_interval=512), host=True).interval == 512
+    wanted = CheckpointAdmission.from_config(64, CacheConfig(), host=True).prefill(0, 5000, 5000)
+    assert [p for p, kind in wanted.items() if kind == "interval"] == [2048, 4096]  # the hedge at 4096 too

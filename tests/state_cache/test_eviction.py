@@ -17,7 +17,7 @@ from state_cache import (
     policy_names,
     register,
 )
-from state_cache.eviction import _POLICIES, LRUPolicy, as_flops
+from state_cache.eviction import _POLICIES, KindRates, LRUPolicy, as_flops
 from tests.state_cache.harness import KV_LAYERS, STATE_LAYERS, ToyEngine
 
 
@@ -31,7 +31,7 @@ def _insert(cache, tokens, ckpt_positions=()):
     return cache.insert(tokens, cache.alloc_pages(len(tokens) // cache.page_size), ckpts)
 
 
-@pytest.mark.parametrize("policy", ["lru", "utility"])
+@pytest.mark.parametrize("policy", ["lru", "utility", "gdsf"])
 def test_locked_prefixes_survive_eviction_under_a_byte_budget(policy):
     """With pools sized from a byte budget, a workload that overflows them never evicts a locked
     node's pages or checkpoint, nor its ancestors' pages (their checkpoints may go)."""
@@ -110,7 +110,7 @@ def test_eviction_only_frees_whole_unlocked_leaves_first():
 
 def test_policy_registry_by_name():
     """Policies are chosen by name; an unknown name lists the known ones; register adds one."""
-    assert {"lru", "utility"} <= set(policy_names())
+    assert {"gdsf", "lru", "utility"} <= set(policy_names())
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'; known: .*lru.*utility"):
         make_policy("fifo")
     with pytest.raises(ValueError, match="eviction: unknown eviction policy 'fifo'; known: .*lru.*utility"):
@@ -261,4 +261,66 @@ def test_shadowed_and_unused_checkpoints_go_first():
     assert slot is not None and cache.match_prefix(seq + [99]).state_len == 16
     assert cache.match_prefix(seq[:12] + [5]).state_len == 0  # P went, though it saves more FLOPs than D
     cache.state_pool.free(slot)
+    cache.check_integrity()
+
+
+def test_gdsf_ages_entries_by_the_level_of_their_last_use():
+    """gdsf: priority = L(last use) + FLOPs per byte, L rising to each evicted priority; an
+    entry worth more per byte but untouched since L rose goes before a newer, cheaper one."""
+    gd = make_policy("gdsf")
+    old, new = Candidate(5.0, 30.0, 10), Candidate(12.0, 10.0, 10)  # 3 and 1 FLOPs per byte
+    assert gd.scorer([old, new])(old) > gd.scorer([old, new])(new)  # nothing evicted yet: worth decides
+    gd.evicted(4.0, now=10.0)
+    gd.evicted(2.0, now=11.0)  # a lower priority never lowers the level
+    assert (gd.level(9.9), gd.level(10.0), gd.level(11.5)) == (0.0, 4.0, 4.0)
+    score = gd.scorer([old, new])
+    assert (score(old), score(new)) == (3.0, 5.0)  # old is now the first to go
+    short = make_policy("gdsf", history=2)
+    for t in range(1, 8):
+        short.evicted(float(t), now=float(t))
+    assert short.level(100.0) == 7.0 and short.level(0.5) == short.level(3.0)  # aged as of the oldest kept
+    with pytest.raises(ValueError, match="history"):
+        make_policy("gdsf", history=0)
+
+
+def test_kind_rates_are_resumes_per_checkpoint_written_and_follow_the_traffic():
+    rates = KindRates(window=100)
+    assert rates.rate("decode") == 1.0  # nothing known yet
+    for _ in range(9):
+        rates.written("decode")
+        rates.written("last")
+    for _ in range(9):
+        rates.resumed("last")
+    assert rates.rate("decode") == 0.1 and rates.rate("last") == 1.0
+    for _ in range(82):
+        rates.written("decode")  # the 100th write halves every count
+    assert rates.rate("decode") == 1 / (91 / 2 + 1) and rates.rate("last") == (4.5 + 1) / (4.5 + 1)
+    assert set(rates.snapshot()) == {"decode", "last"}
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_a_kind_never_resumed_from_goes_first(learn):
+    """With kind rates, a checkpoint whose kind the traffic never resumes from (a decode state
+    nobody continues) goes before one of a kind that is resumed, though it saves more FLOPs;
+    without them the FLOPs decide."""
+    cache = StateRadixCache(KVPool(64, 2, [{"kv": (1, 4)}]), StatePool(1, 3, STATE_LAYERS), {"kda": 2},
+                            CacheConfig(eviction_kind_rates=learn), flops=(1.0, 0.0))
+
+    def put(tokens, pos, kind):
+        slot = cache.alloc_checkpoint(kind=kind)
+        cache.insert(tokens, cache.alloc_pages(len(tokens) // 2), {pos: slot})
+
+    for i in range(8):  # earlier traffic: resends come back to "last", never to "decode"
+        put([i] * 4, 4, "last")
+        for _ in range(2):
+            assert cache.match_prefix([i] * 4 + [9]).state_len == 4
+        put([i] * 4 + [7, 7, 7, 7], 8, "decode")
+        cache.evict(num_checkpoints=cache.state_pool.num_checkpoints - cache.state_pool.num_free_checkpoints)
+    assert cache.kind_rates.rate("decode") < 0.2 < 1.0 < cache.kind_rates.rate("last")
+    cache.evict(num_pages=64)
+    put(list(range(10, 14)), 4, "last")  # saves 4 FLOPs
+    put(list(range(20, 36)), 16, "decode")  # saves 16 FLOPs
+    cache.evict(num_checkpoints=1)
+    kept = {n: cache.match_prefix(list(range(n, n + 16)) + [0]).state_len for n in (10, 20)}
+    assert kept == ({10: 4, 20: 0} if learn else {10: 0, 20: 16})
     cache.check_integrity()

@@ -40,7 +40,7 @@ def tree_contents(cache: StateRadixCache, host: bool = False) -> tuple[dict[tupl
 class CacheMachine(RuleBasedStateMachine):
     @initialize(
         page=st.sampled_from([1, 2, 3]), g_pages=st.sampled_from([1, 2]),
-        policy=st.sampled_from(["lru", "utility"]), num_pages=st.integers(4, 40),
+        policy=st.sampled_from(["lru", "utility", "gdsf"]), num_pages=st.integers(4, 40),
         num_ckpts=st.integers(1, 5), mode=st.sampled_from(["split", "unified", "host"]), host_pages=st.integers(0, 30),
     )
     def setup(self, page, g_pages, policy, num_pages, num_ckpts, mode, host_pages):
@@ -140,7 +140,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         grid = list(range(self.g, n_full * self.ps + 1, self.g))
         want = data.draw(st.lists(st.sampled_from(grid), unique=True)) if grid else []
-        fresh = [self.cache.alloc_checkpoint() for _ in want]  # may evict cached pages (one budget)
+        fresh = [self.cache.alloc_checkpoint(kind=("last", "decode")[p % 2]) for p in want]  # may evict (one budget)
         self._sync_after_eviction()
         kv = self.cache.kv_pool.buffers[0]["kv"]
         for i, p in enumerate(mine):  # reuse only what survived every allocation above
