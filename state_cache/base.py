@@ -165,9 +165,9 @@ class EvictionPolicy(ABC):
         child was evicted), so it must accept values outside the fitted range.
         """
 
-    def evicted(self, priority: float, now: float) -> None:
-        """The cache evicted a candidate of this priority at time `now` (a policy with state,
-        such as gdsf's aging level, updates it here; default: nothing)."""
+    def evicted(self, priority: float) -> None:
+        """The cache evicted a candidate of this priority, ranked by the last scorer (a policy
+        with state, such as gdsf's aging level, updates it here; default: nothing)."""
         return None
 
 

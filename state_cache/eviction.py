@@ -132,8 +132,9 @@ class GreedyDualPolicy(EvictionPolicy):
     L is the highest priority evicted so far, remembered as a step function of time: an entry
     is aged by the level of when it was last used, so one untouched since L rose is evicted
     before a newer one of equal worth, and one worth more per byte outlives it by that
-    margin. The last `history` level changes are kept; an entry used before the oldest of them
-    is aged as if used then.
+    margin. A rise is dated at the newest last use among the round's candidates (what is used
+    after it is newer), so the policy reads no clock. The last `history` level changes are
+    kept; an entry used before the oldest of them is aged as if used then.
     """
 
     def __init__(self, history: int = 4096):
@@ -142,12 +143,14 @@ class GreedyDualPolicy(EvictionPolicy):
         self.history = history
         self._times: list[float] = [float("-inf")]
         self._levels: list[float] = [0.0]
+        self._now = float("-inf")  # the newest last use among the last round's candidates
 
     def level(self, t: float) -> float:
         """L as it was at time t."""
         return self._levels[bisect.bisect_right(self._times, t) - 1]
 
-    def evicted(self, priority: float, now: float) -> None:
+    def evicted(self, priority: float) -> None:
+        now = self._now
         if priority <= self._levels[-1]:
             return
         if now <= self._times[-1]:
@@ -160,6 +163,7 @@ class GreedyDualPolicy(EvictionPolicy):
             self._levels[0] = self._levels[1]
 
     def scorer(self, candidates: Sequence[Candidate]) -> Callable[[Candidate], float]:
+        self._now = max((c.last_access for c in candidates), default=self._now)
         return lambda c: self.level(c.last_access) + _utility(c)
 
 

@@ -434,7 +434,7 @@ class StateRadixCache(PrefixCache):
         pages = ckpts = 0
         while pages < num_pages and heap:
             priority, *_, c = heapq.heappop(heap)
-            self.policy.evicted(priority, self._clock())
+            self.policy.evicted(priority)
             x = c.node
             p, c, parent = self._drop_leaf(x)
             pages, ckpts = pages + p, ckpts + c
@@ -459,7 +459,7 @@ class StateRadixCache(PrefixCache):
         for i in order[:max(num, 0)]:
             if self._evict_checkpoint(nodes[i]):
                 dropped += 1
-                self.policy.evicted(score(cands[i]), self._clock())
+                self.policy.evicted(score(cands[i]))
         return dropped
 
     def _checkpoint_tiers(self, inner_only: bool) -> tuple[list[Node], list[Node]]:
@@ -485,11 +485,11 @@ class StateRadixCache(PrefixCache):
             if not leaf:  # a lone checkpoint (gone already if its node went as a leaf)
                 if self._evict_checkpoint(x):
                     ckpts += 1
-                    self.policy.evicted(priority, self._clock())
+                    self.policy.evicted(priority)
                 continue
             if x.parent is None or x.host or x not in self._leaves:
                 continue  # evicted or moved meanwhile
-            self.policy.evicted(priority, self._clock())
+            self.policy.evicted(priority)
             p, k, parent = self._drop_leaf(x)
             pages, ckpts = pages + p, ckpts + k
             if parent is not None:
@@ -614,9 +614,9 @@ class StateRadixCache(PrefixCache):
             x = c.node
             if not leaf:
                 self._free_host_ckpt(x)
-                self.host_policy.evicted(priority, self._clock())
+                self.host_policy.evicted(priority)
             elif x.parent is not None and x in self._host_leaves:
-                self.host_policy.evicted(priority, self._clock())
+                self.host_policy.evicted(priority)
                 parent = x.parent
                 self._discard(x)
                 if parent in self._host_leaves and parent not in self._loading:

@@ -270,14 +270,16 @@ def test_gdsf_ages_entries_by_the_level_of_their_last_use():
     gd = make_policy("gdsf")
     old, new = Candidate(5.0, 30.0, 10), Candidate(12.0, 10.0, 10)  # 3 and 1 FLOPs per byte
     assert gd.scorer([old, new])(old) > gd.scorer([old, new])(new)  # nothing evicted yet: worth decides
-    gd.evicted(4.0, now=10.0)
-    gd.evicted(2.0, now=11.0)  # a lower priority never lowers the level
+    gd.scorer([old, Candidate(10.0, 0.0, 1)])  # a round whose newest use was at 10 ...
+    gd.evicted(4.0)  # ... evicts a candidate of priority 4: from 10 on the level is 4
+    gd.evicted(2.0)  # a lower priority never lowers the level
     assert (gd.level(9.9), gd.level(10.0), gd.level(11.5)) == (0.0, 4.0, 4.0)
     score = gd.scorer([old, new])
     assert (score(old), score(new)) == (3.0, 5.0)  # old is now the first to go
     short = make_policy("gdsf", history=2)
     for t in range(1, 8):
-        short.evicted(float(t), now=float(t))
+        short.scorer([Candidate(float(t), 0.0, 1)])
+        short.evicted(float(t))
     assert short.level(100.0) == 7.0 and short.level(0.5) == short.level(3.0)  # aged as of the oldest kept
     with pytest.raises(ValueError, match="history"):
         make_policy("gdsf", history=0)
