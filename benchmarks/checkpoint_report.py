@@ -175,11 +175,13 @@ def plot_memory(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     traces = by_trace(rows)
     cols = min(3, len(traces))
-    fig, axes = plt.subplots(-(-len(traces) // cols), cols, figsize=(5.2 * cols, 3.8 * -(-len(traces) // cols)),
+    fig, axes = plt.subplots(-(-len(traces) // cols), cols, figsize=(5.2 * cols, 3.6 * -(-len(traces) // cols) + 0.8),
                              squeeze=False)
+    names = ["blue", "orange", "green", "red"]
     for ax, (name, trace_rows) in zip(axes.flat, traces.items()):
         caps = sorted({r["capacity_bytes"] for r in trace_rows if r["policy"] != "unbounded"})
         for i, cap in enumerate(caps):
@@ -188,29 +190,33 @@ def plot_memory(rows: list[dict], path: Path) -> None:
             pts = sorted((_share(r["policy"]), r["token_hit_rate"]) for r in at
                          if _share(r["policy"]) is not None and not r.get("rejected"))
             if pts:
-                ax.plot(*zip(*pts), marker="o", color=color, label=f"static split, {cap / GB:g} GB")
+                ax.plot(*zip(*pts), marker="o", color=color)
             for r in at:
                 if r["policy"] == "ours-unified":
-                    ax.axhline(r["token_hit_rate"], color=color, lw=2.4, label=f"one budget, {cap / GB:g} GB")
+                    ax.axhline(r["token_hit_rate"], color=color, lw=2.4)
                 elif r["policy"] == "ours-unified-utility":
-                    ax.axhline(r["token_hit_rate"], color=color, ls="-.", lw=1.2,
-                               label=f"one budget, utility eviction (previous), {cap / GB:g} GB")
-                elif "+host" in r["policy"]:
-                    ax.axhline(r["token_hit_rate"], color=color, ls=":", lw=2,
-                               label=f"one budget + {r['host_bytes'] / GB:g} GB host, {cap / GB:g} GB")
+                    ax.axhline(r["token_hit_rate"], color=color, ls="-.", lw=1.2)
+                elif r["policy"].endswith("+host1000"):
+                    ax.axhline(r["token_hit_rate"], color=color, ls=":", lw=2)
         bound = next((r["token_hit_rate"] for r in trace_rows if r["policy"] == "unbounded"), None)
         if bound is not None:
-            ax.axhline(bound, color="black", ls="--", label="unbounded (bound)")
-        ax.set_title(f"{name} (colour: device capacity)")
+            ax.axhline(bound, color="black", ls="--", lw=1)
+        ax.set_title(f"{name}: " + ", ".join(f"{names[i % 4]} = {cap / GB:g} GB" for i, cap in enumerate(caps)),
+                     fontsize=9.5)
         ax.set_xlabel("checkpoint_share of the static split")
         ax.set_ylabel("token hit rate (state hits)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5, loc="lower center")
     for ax in list(axes.flat)[len(traces):]:
         ax.axis("off")
-    fig.suptitle("One byte budget (solid; dash-dot: the previous utility eviction) vs static KV/checkpoint split "
-                 "(markers), and a host tier (dotted)\n"
-                 "Kimi-Linear-48B on one H200, simulated; higher is better", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    styles = [Line2D([], [], color="gray", lw=2.4, label="one budget (gdsf eviction, the default)"),
+              Line2D([], [], color="gray", ls="-.", lw=1.2, label="one budget, previous utility eviction"),
+              Line2D([], [], color="gray", marker="o", label="static split at each checkpoint_share"),
+              Line2D([], [], color="gray", ls=":", lw=2, label="one budget + 1 TB host tier"),
+              Line2D([], [], color="black", ls="--", lw=1, label="unbounded (no policy can be above)")]
+    fig.legend(handles=styles, loc="lower center", ncol=5, fontsize=8.5, frameon=False)
+    fig.suptitle("Device memory shared by KV and checkpoints: one byte budget against every static split, at the "
+                 "same device bytes\nKimi-Linear-48B on one H200, simulated; token hit rate, higher is better; "
+                 "colour = device capacity", fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -433,9 +433,9 @@ class StateRadixCache(PrefixCache):
         heap, score = self._ranked([(self._leaf(x), True) for x in self._leaves if x.lock_ref == 0])
         pages = ckpts = 0
         while pages < num_pages and heap:
-            priority, *_, c = heapq.heappop(heap)
+            priority, *_, cand = heapq.heappop(heap)
             self.policy.evicted(priority)
-            x = c.node
+            x = cand.node
             p, c, parent = self._drop_leaf(x)
             pages, ckpts = pages + p, ckpts + c
             if parent is not None:
