@@ -119,8 +119,7 @@ class CacheManager:
         if decision is DecodeCheckpoint.NONE:
             return
         if decision is DecodeCheckpoint.KEEP:
-            kind = "interval" if self.admission.interval and pos % self.admission.interval == 0 else "decode"
-            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False, kind=kind)
+            slot = self.cache.alloc_checkpoint(self.reserved(), staged=False, kind=self.admission.decode_kind(pos))
             if slot is not None:
                 self.states.save(req.active_slot, slot)
                 self.stash(req, pos, {pos: slot})

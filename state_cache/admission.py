@@ -148,9 +148,13 @@ class CheckpointAdmission:
 
     def decode(self, pos: int) -> DecodeCheckpoint:
         """Decision for the state after pos tokens, produced by a decode step."""
-        if self.interval and pos % self.interval == 0:
+        if self.decode_kind(pos) == "interval":
             return DecodeCheckpoint.KEEP
         if pos % (self.decode_grid or self.granularity) or self.decode_mode == "none":
             return DecodeCheckpoint.NONE
         return DecodeCheckpoint.ROLLING if self.decode_mode == "rolling" else DecodeCheckpoint.KEEP
+
+    def decode_kind(self, pos: int) -> str:
+        """The kind of a decode checkpoint at pos: "interval" on the interval, else "decode"."""
+        return "interval" if self.interval and pos % self.interval == 0 else "decode"
 

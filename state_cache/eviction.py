@@ -174,6 +174,8 @@ class KindRates:
     change of traffic."""
 
     def __init__(self, window: int = 4096):
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         self.window = window
         self._written: dict[str | None, float] = {}
         self._resumed: dict[str | None, float] = {}

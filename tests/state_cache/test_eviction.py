@@ -298,6 +298,8 @@ def test_kind_rates_are_resumes_per_checkpoint_written_and_follow_the_traffic():
         rates.written("decode")  # the 100th write halves every count
     assert rates.rate("decode") == 1 / (91 / 2 + 1) and rates.rate("last") == (4.5 + 1) / (4.5 + 1)
     assert set(rates.snapshot()) == {"decode", "last"}
+    with pytest.raises(ValueError, match="window"):
+        KindRates(window=0)
 
 
 @pytest.mark.parametrize("learn", [True, False])
