@@ -148,7 +148,8 @@ def test_no_calibration_for_policies_that_ignore_the_cost_model(kimi_path, monke
     outs = [o for _ in range(50) for o in eng.step() if o.finished]
     assert len(outs) == 1 and len(outs[0].token_ids) == GREEDY.max_tokens
     eng2 = Engine(model=str(kimi_path), policy="serial", **small)
-    assert eng2.scheduler.cost.c0 + eng2.scheduler.cost.c_tok > 0
+    # fitted on timed forwards (not the coefficients' values: on a loaded machine a fit may clamp them to 0)
+    assert int(eng2.scheduler.cost.meta["fitted_on"].split()[0]) > 0
     assert eng2.cache.kv_pool.num_free == eng2.plan.num_pages  # calibration gave its pages back
 
 

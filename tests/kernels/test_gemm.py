@@ -14,17 +14,32 @@ needs_bf16_gemm = pytest.mark.skipif(native._bf16_gemm() is None, reason="no bf1
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("rows", [0, 1, 5, 64, 65, 300])
+@pytest.mark.parametrize("rows", [0, 1, 5, 31, 33, 64, 65, 300])
 @pytest.mark.parametrize("outs", [1, 8, 100, 256])
 def test_linear_equals_torch_bit_for_bit(rows, outs):
-    """Any row count, output widths that are and are not whole blocks of 32: every output is
-    torch's bf16 matmul's, every bit (fp32 sums rounded once)."""
+    """Any row count (whole and partial blocks of 32 rows), output widths that are and are not
+    whole blocks of 32: every output is torch's bf16 matmul's, every bit (fp32 sums rounded once)."""
     gen = torch.Generator().manual_seed(rows * 1000 + outs)
     w = torch.randn(outs, 96, generator=gen).bfloat16()
     x = torch.randn(rows, 96, generator=gen).bfloat16()
     got = native.linear_bf16(x, w)
     assert got is not None and got.dtype == torch.bfloat16
     assert torch.equal(got, F.linear(x, w))
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("width", [96, 50])  # K a multiple of the micro-kernel's 32-wide steps, or not
+def test_linear_rows_do_not_depend_on_the_batch(width):
+    """A row's outputs are the same bits whatever rows share its call (one row alone, a partial
+    block, several blocks), so batched and single-request runs agree; within one bf16 step of
+    torch's, whose oneDNN matmul sums a K that is not a multiple of 32 in another order."""
+    gen = torch.Generator().manual_seed(width)
+    w = torch.randn(100, width, generator=gen).bfloat16()
+    x = torch.randn(130, width, generator=gen).bfloat16()
+    full = native.linear_bf16(x, w)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 40), slice(64, 130)):
+        assert torch.equal(native.linear_bf16(x[rows], w), full[rows])
+    torch.testing.assert_close(full, F.linear(x, w), rtol=2**-7, atol=1e-6)
 
 
 @needs_bf16_gemm

@@ -1,0 +1,86 @@
+"""The bf16 projection kernel against torch's matmul, alternating in one process (CPU with AMX).
+
+    python -m benchmarks.gemm [--threads 2] [--repeats 30]
+
+For the projection shapes of the peer benchmark's Qwen3-Next (hidden 256: fused q/k/v/z, out,
+MoE router + shared expert, lm_head) at decode batches (64 rows) and prefill rounds (about 6,000
+rows), times one call of:
+  ours         models/layers/linear.py's `linear` (kernels/gemm/cpu_gemm.cpp, the weight packed once)
+  torch-same   F.linear at a row count it has seen: oneDNN's matmul primitive already made
+  torch-new    F.linear at a row count it has not seen, as each serving round brings: the
+               primitive is made inside the call
+  torch-pad    F.linear on the rows copied into a buffer padded to a multiple of 256 rows
+               (BUCKET): a primitive per bucket, made once; the copy is counted
+Rows differ by one from call to call for `ours`, `torch-new` and `torch-pad` (what an engine
+gives them). The candidates alternate, the minimum over `--repeats` is printed with the
+ratios to `ours`, and the outputs are checked to be the same bits. Freed memory is kept, as
+the engine keeps it (hybridserve/host.py).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from hybridserve.host import keep_freed_memory
+from kernels import native
+
+BUCKET = 256
+
+# (rows, outputs, inputs): the Qwen3-Next peer checkpoint's projections
+SHAPES = [(64, 776, 256), (64, 256, 256), (64, 521, 256), (64, 4096, 256),
+          (6000, 776, 256), (6000, 256, 256), (6000, 521, 256)]
+
+
+def row(rows: int, outs: int, ins: int, repeats: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(rows + outs)
+    x = torch.randn(rows + repeats + 2, ins, generator=gen).bfloat16()
+    w = torch.randn(outs, ins, generator=gen).bfloat16()
+    assert torch.equal(native.linear_bf16(x[:rows], w), F.linear(x[:rows], w)), "the paths disagree"
+    ours_rows, torch_rows, pad_rows = itertools.count(rows), itertools.count(rows + 1), itertools.count(rows)
+
+    def padded():
+        n = next(pad_rows)
+        buf = x.new_empty(-(-n // BUCKET) * BUCKET, ins)
+        buf[:n] = x[:n]
+        return F.linear(buf, w)[:n]
+
+    assert torch.equal(padded(), F.linear(x[:rows], w)), "the paths disagree"
+    fns = {"ours": lambda: native.linear_bf16(x[:next(ours_rows)], w),
+           "torch-same": lambda: F.linear(x[:rows], w),  # torch has seen `rows` only
+           "torch-new": lambda: F.linear(x[:next(torch_rows)], w),
+           "torch-pad": padded}
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    keep_freed_memory()
+    if native._bf16_gemm() is None:
+        raise SystemExit("the bf16 kernels do not run on this CPU (no AMX) or are not built")
+    print(f"{args.threads} threads, minimum of {args.repeats} alternating calls")
+    print(f"{'rows x outs x ins':>21}  {'ours':>8}  {'torch-same':>10}  {'torch-new':>9}  {'torch-pad':>9}  "
+          "same/ours  new/ours  pad/ours")
+    for rows, outs, ins in SHAPES:
+        t = row(rows, outs, ins, args.repeats)
+        us = {name: f"{v * 1e6:.0f}us" for name, v in t.items()}
+        print(f"{rows:>7} x {outs:>5} x {ins:>4}  {us['ours']:>8}  {us['torch-same']:>10}  {us['torch-new']:>9}  "
+              f"{us['torch-pad']:>9}  {t['torch-same'] / t['ours']:>9.2f}  {t['torch-new'] / t['ours']:>8.2f}  "
+              f"{t['torch-pad'] / t['ours']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
