@@ -5,7 +5,8 @@
 For the projection shapes of the peer benchmark's Qwen3-Next (hidden 256: fused q/k/v/z, out,
 MoE router + shared expert, lm_head) at decode batches (64 rows) and prefill rounds (about 6,000
 rows), times one call of:
-  ours         models/layers/linear.py's `linear` (kernels/gemm/cpu_gemm.cpp, the weight packed once)
+  ours         kernels/native.py's linear_bf16, what models/layers/linear.py's `linear` runs
+               (kernels/gemm/cpu_gemm.cpp, the weight packed once)
   torch-same   F.linear at a row count it has seen: oneDNN's matmul primitive already made
   torch-new    F.linear at a row count it has not seen, as each serving round brings: the
                primitive is made inside the call

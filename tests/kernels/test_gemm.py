@@ -17,8 +17,8 @@ needs_bf16_gemm = pytest.mark.skipif(native._bf16_gemm() is None, reason="no bf1
 @pytest.mark.parametrize("rows", [0, 1, 5, 31, 33, 64, 65, 300])
 @pytest.mark.parametrize("outs", [1, 8, 100, 256])
 def test_linear_equals_torch_bit_for_bit(rows, outs):
-    """Any row count (whole and partial blocks of 32 rows), output widths that are and are not
-    whole blocks of 32: every output is torch's bf16 matmul's, every bit (fp32 sums rounded once)."""
+    """Any row count (whole and partial row blocks), output widths that are and are not whole
+    blocks of 32: every output is torch's bf16 matmul's, every bit (fp32 sums rounded once)."""
     gen = torch.Generator().manual_seed(rows * 1000 + outs)
     w = torch.randn(outs, 96, generator=gen).bfloat16()
     x = torch.randn(rows, 96, generator=gen).bfloat16()
