@@ -81,7 +81,8 @@ at::Tensor pack_bf16(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& bias);
 std::tuple<at::Tensor, at::Tensor> pack_experts_bf16(const at::Tensor& gate_up, const at::Tensor& down);
 at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
-                    const at::Tensor& down, const std::string& act, const at::Tensor& scale, const at::Tensor& extra);
+                    const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
+                    const at::Tensor& shared_dn, const at::Tensor& scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the kernels touch no Python object: other threads (the server's event loop) run meanwhile

@@ -335,10 +335,12 @@ def _bf16_gemm_supported(ext) -> bool:
     return bool(ext.gemm_bf16_supported())
 
 
-def _packed(key: torch.Tensor, pack, cache: dict | None = None):
-    """pack() made once per version of key (remade when key is written in place), in cache."""
+def _packed(key: torch.Tensor, pack, cache: dict | None = None, also: tuple[torch.Tensor, ...] = ()):
+    """pack() made once per version of key and of the tensors `also` packed with it (remade when one
+    is written in place or replaced), in cache."""
     cache = PACKED if cache is None else cache
-    stamp = (key.data_ptr(), 0 if key.is_inference() else key._version)  # inference tensors keep no version
+    # inference tensors keep no version
+    stamp = tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in (key, *also))
     entry = cache.get(id(key))
     if entry is None:
         weakref.finalize(key, cache.pop, id(key), None)
@@ -365,17 +367,20 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor | None:
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def moe_bf16(x, idx, weight, gate_up, down, act: str, plus=None) -> torch.Tensor | None:
+def moe_bf16(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:
     """models/layers/mlp.py's run_experts for gated experts without biases in bf16 on CPU (x [T, D],
     idx and weight [T, k], the experts' stacks gate_up [E, 2I, D] and down [E, D, I]), with the
-    torch path's roundings, plus scale * extra for plus = (scale [T, 1], extra [T, D]) (a shared
-    expert) in the same pass; None where the kernel cannot run."""
+    torch path's roundings; with shared = (gate_up [2I', D], down [D, I']) a shared expert every
+    token runs, its output times scale [T, 1] (or 1) added in the same pass; None where the kernel
+    cannot run."""
     ok = x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and act == "silu"
-    ok = ok and (plus is None or (plus[0].dtype == plus[1].dtype == torch.bfloat16 and plus[1].shape == x.shape
-                                  and plus[0].numel() == x.shape[0]))
+    ok = ok and (shared is None or all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in shared))
+    ok = ok and (scale is None or (scale.dtype == torch.bfloat16 and scale.numel() == x.shape[0]))
     ext = _bf16_gemm() if ok and x.shape[1] % 2 == 0 and down.shape[2] % 2 == 0 else None
-    if ext is None:
+    if ext is None or (shared is not None and shared[1].shape[1] % 2):
         return None
-    gu, dn = _packed(gate_up, lambda: ext.pack_experts_bf16(gate_up, down))
-    scale, extra = (EMPTY, EMPTY) if plus is None else (_dense(plus[0]), _dense(plus[1]))
-    return ext.moe_bf16(x.contiguous(), idx, weight.to(x.dtype), gu, dn, act, scale, extra)
+    gu, dn = _packed(gate_up, lambda: ext.pack_experts_bf16(gate_up, down), also=(down,))
+    sgu, sdn = (EMPTY, EMPTY) if shared is None else \
+        _packed(shared[0], lambda: ext.pack_experts_bf16(shared[0][None], shared[1][None]), also=(shared[1],))
+    return ext.moe_bf16(x.contiguous(), idx, weight.to(x.dtype), gu, dn, act, sgu, sdn,
+                        EMPTY if scale is None else _dense(scale))

@@ -150,7 +150,7 @@ class KimiMoE(nn.Module):
 
     def forward(self, x):
         idx, w = self.gate(x)
-        return run_experts(x, self.experts, idx, w) + self.shared_experts(x)
+        return run_experts(x, self.experts, idx, w, shared=self.shared_experts)
 
 
 class KimiBlock(nn.Module):

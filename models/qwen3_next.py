@@ -187,7 +187,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         se = self.shared_expert
-        logits, shared_gate, gate, up = fused_linear(x, self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
+        logits, shared_gate = fused_linear(x, self.gate, self.shared_expert_gate)
         routed = native.topk_softmax(logits, self.top_k, self.renorm)
         if routed is None:
             probs = F.softmax(logits, -1, dtype=torch.float)  # [T, E]
@@ -195,7 +195,7 @@ class SparseMoE(nn.Module):
             if self.renorm:
                 routed = (routed[0] / routed[0].sum(-1, keepdim=True), routed[1])
         w, idx = routed  # [T, top_k] each
-        return run_experts(x, self.experts, idx, w.to(x.dtype), plus=(torch.sigmoid(shared_gate), se.finish(gate, up)))
+        return run_experts(x, self.experts, idx, w.to(x.dtype), shared=se, scale=torch.sigmoid(shared_gate))
 
 
 def is_sparse(hf, i: int) -> bool:

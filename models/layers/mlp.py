@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import native
-from models.layers.linear import Linear, fused_linear
+from models.layers.linear import Linear, fuse, fused_linear
 from models.layers.tensor_parallel import ffn
 
 ACTS = {"silu": F.silu, "relu2": lambda x: F.relu(x).square_(), "gelu": F.gelu}  # relu2: squared in place
@@ -97,10 +97,10 @@ def _bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
 
 
 def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weight: torch.Tensor,
-                plus: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """sum_k weight[t, k] * experts[idx[t, k]](x[t]) for x [T, D], idx/weight [T, top_k]; with
-    plus = (scale [T, 1], extra [T, D]) that sum + scale * extra (a gated shared expert), which
-    the compiled bf16 call adds in its own pass.
+                shared: GatedMLP | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k weight[t, k] * experts[idx[t, k]](x[t]) for x [T, D], idx/weight [T, top_k]; with a
+    `shared` expert that sum + shared(x) (times `scale` [T, 1] where given: a gated shared
+    expert), each term rounded as torch's ops round them.
 
     When the busiest expert's rows times the expert count is at most twice the T * top_k
     (token, choice) rows (balanced routing), or no expert has more than PAD_FREE_ROWS rows
@@ -111,16 +111,28 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     scatter-add). On CPU the compiled routing of kernels/native.py does the padded path's
     copies in one pass each, with the same results; in bf16 on CPUs with the packed
     micro-kernels, gated silu experts without biases run as one compiled call instead (each
-    expert on its own rows, no padding), with the same roundings.
+    expert on its own rows, no padding), the shared expert with them, with the same roundings.
     """
     if x.dtype == torch.bfloat16 and hasattr(experts[0], "parts"):
         w = stack_experts(experts)
-        if w.gate_up is not None and w.act is ACTS["silu"]:
-            out = native.moe_bf16(x, idx, weight, w.gate_up, w.down, "silu", plus)
+        own = None if shared is None else _shared_weights(shared)
+        if w.gate_up is not None and w.act is ACTS["silu"] and (shared is None or own is not None):
+            out = native.moe_bf16(x, idx, weight, w.gate_up, w.down, "silu", own, scale)
             if out is not None:
                 return out
     out = _run_experts(x, experts, idx, weight)
-    return out if plus is None else out + plus[0] * plus[1]
+    if shared is None:
+        return out
+    return out + (shared(x) if scale is None else scale * shared(x))
+
+
+def _shared_weights(shared: GatedMLP) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A silu GatedMLP's (gate_up [2I, D], down [D, I]) for the compiled experts call (gate and up
+    one stack, as fused_linear keeps them), or None where it has biases or another activation."""
+    gate, up, down, act = shared.parts()
+    if act is not ACTS["silu"] or any(lin.bias is not None for lin in (gate, up, down)):
+        return None
+    return fuse((gate, up)).weight, down.weight
 
 
 def _run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,12 @@ needs_bf16_gemm = pytest.mark.skipif(native._bf16_gemm() is None, reason="no bf1
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("rows", [0, 1, 5, 31, 33, 64, 65, 300])
+@pytest.mark.parametrize("rows", [0, 1, 5, 31, 33, 64, 65, 300, 1000])
 @pytest.mark.parametrize("outs", [1, 8, 100, 256])
 def test_linear_equals_torch_bit_for_bit(rows, outs):
-    """Any row count (whole and partial row blocks), output widths that are and are not whole
-    blocks of 32: every output is torch's bf16 matmul's, every bit (fp32 sums rounded once)."""
+    """Any row count (whole and partial row blocks; at 1,000 rows each thread takes whole row
+    blocks), output widths that are and are not whole blocks of 32: every output is torch's bf16
+    matmul's, every bit (fp32 sums rounded once)."""
     gen = torch.Generator().manual_seed(rows * 1000 + outs)
     w = torch.randn(outs, 96, generator=gen).bfloat16()
     x = torch.randn(rows, 96, generator=gen).bfloat16()
@@ -31,13 +32,14 @@ def test_linear_equals_torch_bit_for_bit(rows, outs):
 @pytest.mark.parametrize("width", [96, 50])  # K a multiple of the micro-kernel's 32-wide steps, or not
 def test_linear_rows_do_not_depend_on_the_batch(width):
     """A row's outputs are the same bits whatever rows share its call (one row alone, a partial
-    block, several blocks), so batched and single-request runs agree; within one bf16 step of
-    torch's, whose oneDNN matmul sums a K that is not a multiple of 32 in another order."""
+    block, several blocks, prefill sizes whose calls split by whole row blocks), so batched and
+    single-request runs agree; within one bf16 step of torch's, whose oneDNN matmul sums a K that
+    is not a multiple of 32 in another order."""
     gen = torch.Generator().manual_seed(width)
     w = torch.randn(100, width, generator=gen).bfloat16()
-    x = torch.randn(130, width, generator=gen).bfloat16()
+    x = torch.randn(1100, width, generator=gen).bfloat16()
     full = native.linear_bf16(x, w)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 40), slice(64, 130)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 40), slice(64, 130), slice(37, 1037)):
         assert torch.equal(native.linear_bf16(x[rows], w), full[rows])
     torch.testing.assert_close(full, F.linear(x, w), rtol=2**-7, atol=1e-6)
 
@@ -54,6 +56,10 @@ def test_linear_bias_strided_weight_and_batch_dims():
     want = (F.linear(x.float(), w.float()) + b.float()).bfloat16()
     assert got.shape == (3, 7, 40) and torch.equal(got, want)
     assert torch.equal(linear(x, w), F.linear(x, w))
+    x = torch.randn(700, 64, generator=gen).bfloat16()  # prefill size: whole row blocks per thread
+    got = linear(x, w, b)
+    assert torch.equal(got, torch.cat([linear(x[i : i + 64], w, b) for i in range(0, 700, 64)]))
+    torch.testing.assert_close(got, (F.linear(x.float(), w.float()) + b.float()).bfloat16(), rtol=2**-7, atol=1e-6)
 
 
 def test_linear_falls_back_to_torch_where_the_kernels_do_not_run():
@@ -106,18 +112,25 @@ def test_moe_equals_the_torch_path(monkeypatch, tokens):
 
 
 @needs_bf16_gemm
-@pytest.mark.parametrize("tokens", [1, 40])
-def test_moe_adds_a_gated_shared_expert_as_torch_rounds_it(monkeypatch, tokens):
-    """plus = (scale, extra) (Qwen3-Next's sigmoid-gated shared expert) added in the combine
-    pass: bit for bit the routed sum + scale * extra in torch's bf16 ops; the torch path agrees."""
+@pytest.mark.parametrize("tokens", [1, 40, 150])
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_runs_a_shared_expert_in_the_same_call(monkeypatch, tokens, gated):
+    """A shared expert (Qwen3-Next's sigmoid-gated one, Kimi Linear's ungated one; 40 channels, not
+    whole blocks) runs in the experts' call: bit for bit the routed sum + scale * shared in torch's
+    bf16 ops, the shared expert's output being the compiled call's own (as a one-expert layer);
+    the torch path agrees within the vector exp's rounding of a silu."""
     experts, x, idx, w = experts_and_routing(tokens)
-    scale = torch.sigmoid(torch.randn(tokens, 1)).bfloat16()
-    extra = torch.randn(tokens, x.shape[1]).bfloat16()
+    torch.manual_seed(1)
+    shared = GatedMLP(64, 40).bfloat16()
+    scale = torch.sigmoid(torch.randn(tokens, 1)).bfloat16() if gated else None
     with torch.no_grad():
-        got = run_experts(x, experts, idx, w, plus=(scale, extra))
-        assert torch.equal(got, run_experts(x, experts, idx, w) + scale * extra)
+        got = run_experts(x, experts, idx, w, shared=shared, scale=scale)
+        alone = run_experts(x, nn.ModuleList([shared]), torch.zeros(tokens, 1, dtype=torch.long),
+                            torch.ones(tokens, 1, dtype=torch.bfloat16))
+        assert torch.equal(got, run_experts(x, experts, idx, w) + (alone if scale is None else scale * alone))
         monkeypatch.setattr(mlp.native, "moe_bf16", lambda *a: None)
-        want = run_experts(x, experts, idx, w, plus=(scale, extra))
+        want = run_experts(x, experts, idx, w, shared=shared, scale=scale)
+        assert torch.equal(want, run_experts(x, experts, idx, w) + (shared(x) if scale is None else scale * shared(x)))
     assert (got == want).float().mean().item() > 0.99
     torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
 
