@@ -374,10 +374,11 @@ def moe_bf16(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -
     token runs, its output times scale [T, 1] (or 1) added in the same pass; None where the kernel
     cannot run."""
     ok = x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and act == "silu"
-    ok = ok and (shared is None or all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in shared))
+    ok = ok and (shared is None or (all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in shared)
+                                    and shared[1].shape[1] % 2 == 0))
     ok = ok and (scale is None or (scale.dtype == torch.bfloat16 and scale.numel() == x.shape[0]))
     ext = _bf16_gemm() if ok and x.shape[1] % 2 == 0 and down.shape[2] % 2 == 0 else None
-    if ext is None or (shared is not None and shared[1].shape[1] % 2):
+    if ext is None:
         return None
     gu, dn = _packed(gate_up, lambda: ext.pack_experts_bf16(gate_up, down), also=(down,))
     sgu, sdn = (EMPTY, EMPTY) if shared is None else \

@@ -13,7 +13,7 @@
 //
 // `linear_bf16`: x [M, K] @ w^T (+ bias) -> [M, N] bf16. At prefill sizes a work item is a row
 // block: up to 16 column blocks into one fp32 buffer, then those columns of each row converted and
-// written in one pass (1.2-1.4x the speed of writing each 32-column piece as it is made, at a few
+// written in one pass (1.1-1.5x the speed of writing each 32-column piece as it is made, at a few
 // thousand rows). With fewer row blocks than threads can share, work items are (row block, column
 // block) pairs.
 //
