@@ -11,7 +11,7 @@ from kernels import native
 from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.layers import context_parallel
-from models.layers.linear import Linear
+from models.layers.linear import Linear, fused_linear
 from models.layers.mlp import ACTS, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import RMSNorm
@@ -135,9 +135,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.h, self.d)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.hkv, self.d)  # [T, Hkv, D]
+        q, k, v = fused_linear(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(t, self.h, self.d)  # [T, H, D]
+        k, v = k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)  # [T, Hkv, D]
         cache = batch.memory.kv[self.kv_idx]
         context_parallel.store_kv(batch, cache["k"], cache["v"], k, v)
         attn = kernels.get("attention", x.device)

@@ -11,6 +11,19 @@ from tests.kernels.test_attention import make_batch
 needs_kernel = pytest.mark.skipif(native.extension() is None, reason="CPU decode kernel not built here")
 
 
+def check_decode(lens, heads, dims, page_size, layout, dtype):
+    """The kernel's decode of one query per sequence (random pages) equals the fp32 reference."""
+    b = make_batch(lens, [1] * len(lens), heads, page_size, dims=dims, latent=layout == "mla", dtype=dtype)
+    seq_lens = torch.tensor(lens)
+    v_rows = b.k_cache if b.v_cache is None else b.v_cache
+    got = native.paged_decode(b.q, b.k_cache, v_rows, b.page_table, seq_lens, 0.3, dims[1])
+    k = read_kv(b.k_cache, b.page_table, max(lens))
+    v = k[..., : dims[1]] if b.v_cache is None else read_kv(b.v_cache, b.page_table, max(lens))
+    want = _decode(b.q.float(), k.float(), v.float(), seq_lens, 0.3)  # fp32 reference of the same inputs
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["mha", "gqa", "mla"])
@@ -21,15 +34,21 @@ def test_kernel_equals_torch_decode(dtype, layout, page_size):
     heads = {"mha": (4, 4), "gqa": (6, 2), "mla": (4, 1)}[layout]
     dims = (24, 16) if layout == "mla" else (16, 16)
     lens = [1, 5, 33, 17, 64]
-    b = make_batch(lens, [1] * len(lens), heads, page_size, dims=dims, latent=layout == "mla", dtype=dtype)
-    seq_lens = torch.tensor(lens)
-    v_rows = b.k_cache if b.v_cache is None else b.v_cache
-    got = native.paged_decode(b.q, b.k_cache, v_rows, b.page_table, seq_lens, 0.3, dims[1])
-    k = read_kv(b.k_cache, b.page_table, max(lens))
-    v = k[..., : dims[1]] if b.v_cache is None else read_kv(b.v_cache, b.page_table, max(lens))
-    want = _decode(b.q.float(), k.float(), v.float(), seq_lens, 0.3)  # fp32 reference of the same inputs
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    check_decode(lens, heads, dims, page_size, layout, dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+@pytest.mark.parametrize("page_size", [1, 48])
+def test_decode_over_several_key_steps(dtype, layout, page_size):
+    """A sequence's own keys run in steps of up to 256 keys (whole pages: 240 at 48 a page), the
+    online softmax carried from step to step: lengths on both sides of a step's end, and longer
+    than two steps, equal the reference."""
+    heads = (6, 2) if layout == "gqa" else (4, 1)
+    dims = (24, 16) if layout == "mla" else (16, 16)
+    lens = [239, 240, 241, 256, 257, 600]
+    check_decode(lens, heads, dims, page_size, layout, dtype)
 
 
 @needs_kernel
