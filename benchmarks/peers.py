@@ -27,6 +27,7 @@ benchmarks/results/peers.json (peers_serve.json with --serve).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -45,6 +46,7 @@ from models.builtin import BYTE_VOCAB, builtin_path
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
+ENGINE_DIRS = ("hybridserve", "models", "kernels", "scheduler", "state_cache")  # what a worker of ours runs
 VLLM_ENV = "HYBRIDSERVE_VLLM_PYTHON"
 MEMORY_GB = 2.0  # ours: KV + states + checkpoints; vLLM: VLLM_CPU_KVCACHE_SPACE (peer_vllm.py)
 ENGINES = ("hybridserve", "vllm")
@@ -124,8 +126,21 @@ def checkpoint(model: str, cache: Path) -> tuple[Path | str, int]:
     return build(model, cache)
 
 
+def source_fingerprint() -> str:
+    """A hash of our engine's Python and C++ sources as they are on disk now. Each worker runs
+    (and, where the kernels changed, builds) what is on disk when it starts, so a source edited
+    during a run would change what the later runs measure: the parent compares every worker's
+    fingerprint with its own."""
+    h, root = hashlib.sha256(), HERE.parent
+    files = sorted(f for d in ENGINE_DIRS for f in (root / d).rglob("*") if f.suffix in (".py", ".cpp", ".h"))
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def worker(args: argparse.Namespace) -> None:
     """Our side of one measurement (the twin of peer_vllm.py's worker); prints one JSON line."""
+    sources = source_fingerprint()  # before the imports read them
     from hybridserve import LLM, SamplingParams  # isort: skip  (first: the OpenMP wait policy, before torch)
     import torch
 
@@ -139,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     outs = llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
     wall = time.perf_counter() - t0
     print(json.dumps({"engine": "hybridserve", "wall_s": wall, "threads": torch.get_num_threads(),
-                      "token_ids": [o.token_ids for o in outs]}), flush=True)
+                      "sources": sources, "token_ids": [o.token_ids for o in outs]}), flush=True)
 
 
 def worker_command(engine: str, row: Row, path: Path, work_file: Path, args, profile: str | Path | None) -> list[str]:
@@ -249,10 +264,12 @@ def measure(row: Row, path: Path, args, engines: tuple[str, ...], profile: str |
     runs: dict[str, list[float]] = {e: [] for e in engines}
     others: dict[str, list[float]] = {e: [] for e in engines}  # others' CPU share during each run
     tokens: dict[str, list[list[int]]] = {}
+    sources = set()  # our workers' source fingerprints
     for r in range(args.repeats):
         for engine in engines:
             cmd = worker_command(engine, row, path, work_file, args, profile)
             out, share = timed_worker(cmd, scratch / "workers.log", args)
+            sources |= {out["sources"]} if "sources" in out else set()
             runs[engine].append(out["wall_s"])
             others[engine].append(share)
             tokens[engine] = out["token_ids"]
@@ -263,7 +280,7 @@ def measure(row: Row, path: Path, args, engines: tuple[str, ...], profile: str |
         if len(outs) != args.requests or any(len(t) != args.new for t in outs):
             raise RuntimeError(f"{engine}: {[len(t) for t in outs]} tokens for {args.requests} requests of {args.new}")
     result: dict = {"row": row.label, "model": row.model, "prefix_cache": row.prefix_cache, "runs_s": runs,
-                    "others_share": others}
+                    "others_share": others, "sources": sorted(sources)}
     for engine in engines:
         best = min(runs[engine])
         result |= {f"{engine}_s": best, f"{engine}_tok_s": generated / best}
@@ -458,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--serve compares with vLLM, which cannot load the built-in Kimi model: leave its row out")
     scratch = args.cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
     scratch.mkdir(parents=True)
+    sources = source_fingerprint()
     dtypes = {r.model: r.dtype for r in rows}
     paths = {m: checkpoint(m, args.cache) for m in dtypes}
     for m, (path, params) in paths.items():
@@ -474,12 +492,17 @@ def main(argv: list[str] | None = None) -> None:
             for r, res in zip(rows, results):
                 res |= measure_loaded(r, paths[r.model][0], args, engines, profiles[r.model], scratch)
             text += "\n\nUnder load:\n" + loaded_table(results)
+    changed = sorted(({f for r in results for f in r.get("sources", [])} | {source_fingerprint()}) - {sources})
+    if changed:
+        text += (f"\n\nWARNING: our sources changed during this run (fingerprint {sources} at the start, then "
+                 f"{', '.join(changed)}): its runs measured different code; rerun with the sources left alone")
     print(text)
     if not args.vllm_python:
         print(f"vLLM not configured (--vllm-python or ${VLLM_ENV}): hybridserve only")
     workload_ = {k: getattr(args, k) for k in ("requests", "prefix", "suffix", "new", "threads", "repeats")}
     record = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-              "cpus": os.cpu_count(), "workload": workload_, "vllm_python": args.vllm_python, "rows": results}
+              "cpus": os.cpu_count(), "workload": workload_, "vllm_python": args.vllm_python, "sources": sources,
+              "sources_changed": changed, "rows": results}
     output = args.output or RESULTS / ("peers_serve.json" if args.serve else "peers.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(record, indent=2) + "\n")

@@ -142,14 +142,35 @@ def test_builtin_kimi_row_runs_ours_only(tmp_path, monkeypatch):
     monkeypatch.setattr(peers, "run_worker", run)
     peers.main([*SMALL, "--rows", "kimi-builtin-cache", "--cache", str(tmp_path), "--output", str(out),
                 "--vllm-python", str(tmp_path / "no-python"), "--retries", "0"])  # one run, however loaded the machine
-    row = json.loads(out.read_text())["rows"][0]
+    record = json.loads(out.read_text())
+    row = record["rows"][0]
     assert row["row"] == peers.ROWS["kimi-builtin-cache"].label and "vllm_s" not in row and row["hybridserve_s"] > 0
+    assert row["sources"] == [record["sources"]] and record["sources_changed"] == []  # the worker saw our sources
     assert len(commands) == 1 and dict(zip(commands[0], commands[0][1:]))["--dtype"] == "bfloat16"
     prompts = json.loads((tmp_path.glob("runs/*/workload.json").__next__()).read_text())["prompts"]
     assert max(max(p) for p in prompts) < 256
     with pytest.raises(SystemExit, match="built-in"):
         peers.main(["--serve", "--rows", "kimi-builtin-cache", "--vllm-python", "python"])
 
+
+def test_sources_changed_during_a_run_are_flagged(tmp_path, monkeypatch, capsys):
+    """A worker that ran other sources than the parent started with (an edit during the run)
+    is named in the table's warning and in the JSON."""
+    outs = iter(["same", "edited"])
+
+    def run(cmd, log):
+        fingerprint = next(outs)
+        return {"engine": "hybridserve", "wall_s": 1.0, "token_ids": [[1] * 4] * 4,
+                "sources": peers.source_fingerprint() if fingerprint == "same" else "0123456789ab"}
+
+    monkeypatch.setattr(peers, "run_worker", run)
+    out = tmp_path / "peers.json"
+    peers.main([*SMALL, "--rows", "kimi-builtin-cache", "--cache", str(tmp_path), "--output", str(out),
+                "--repeats", "2", "--retries", "0"])  # one run each, however loaded the machine
+    record = json.loads(out.read_text())
+    assert record["sources_changed"] == ["0123456789ab"]
+    assert sorted(record["rows"][0]["sources"]) == sorted([record["sources"], "0123456789ab"])
+    assert "WARNING: our sources changed during this run" in capsys.readouterr().out
 
 def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):
     """--under-load N reruns the row with N spinning processes alive during the runs (and gone
