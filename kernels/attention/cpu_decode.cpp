@@ -134,9 +134,10 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       for (int64_t t0 = shared * page_size; t0 < L; t0 += block) {  // up to `block` keys across pages
         const int64_t cnt = std::min(block, L - t0);
         for (int64_t t = t0; t < t0 + cnt;) {  // widen the block's keys and values, a page's run at a time
-          const int64_t page = table[t / page_size], at = t % page_size, run = std::min(page_size - at, t0 + cnt - t);
-          widen(kp + page * k_page + at * k_row + g * k_head, k_row, run, Dk, kb.data() + (t - t0) * Dk);
-          widen(vp + page * v_page + at * v_row + g * v_head, v_row, run, Dv, vb.data() + (t - t0) * Dv);
+          const int64_t page = table[t / page_size], row = t % page_size;
+          const int64_t run = std::min(page_size - row, t0 + cnt - t);
+          widen(kp + page * k_page + row * k_row + g * k_head, k_row, run, Dk, kb.data() + (t - t0) * Dk);
+          widen(vp + page * v_page + row * v_row + g * v_head, v_row, run, Dv, vb.data() + (t - t0) * Dv);
           t += run;
         }
         mm(false, true, R, cnt, Dk, 1.f, qf.data(), Dk, kb.data(), Dk, 0.f, p.data(), block);
