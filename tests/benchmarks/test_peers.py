@@ -156,12 +156,10 @@ def test_builtin_kimi_row_runs_ours_only(tmp_path, monkeypatch):
 def test_sources_changed_during_a_run_are_flagged(tmp_path, monkeypatch, capsys):
     """A worker that ran other sources than the parent started with (an edit during the run)
     is named in the table's warning and in the JSON."""
-    outs = iter(["same", "edited"])
+    fingerprints = iter([peers.source_fingerprint(), "0123456789ab"])  # the first run's, then an edited one's
 
     def run(cmd, log):
-        fingerprint = next(outs)
-        return {"engine": "hybridserve", "wall_s": 1.0, "token_ids": [[1] * 4] * 4,
-                "sources": peers.source_fingerprint() if fingerprint == "same" else "0123456789ab"}
+        return {"engine": "hybridserve", "wall_s": 1.0, "token_ids": [[1] * 4] * 4, "sources": next(fingerprints)}
 
     monkeypatch.setattr(peers, "run_worker", run)
     out = tmp_path / "peers.json"
@@ -171,6 +169,7 @@ def test_sources_changed_during_a_run_are_flagged(tmp_path, monkeypatch, capsys)
     assert record["sources_changed"] == ["0123456789ab"]
     assert sorted(record["rows"][0]["sources"]) == sorted([record["sources"], "0123456789ab"])
     assert "WARNING: our sources changed during this run" in capsys.readouterr().out
+
 
 def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):
     """--under-load N reruns the row with N spinning processes alive during the runs (and gone
