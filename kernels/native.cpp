@@ -61,7 +61,7 @@ at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at:
 at::Tensor ssd_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
                     const at::Tensor& C, const at::Tensor& D, at::Tensor& state, const at::Tensor& slots);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset, bool cast_first,
-                    const at::Tensor& gate, const std::string& act);
+                    const at::Tensor& gate, const std::string& act, at::ScalarType out_dtype);
 at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
                      const at::Tensor& slots, bool silu);
 std::vector<at::Tensor> delta_prepare(const at::Tensor& x, int64_t H, int64_t K, int64_t HV, int64_t V,
@@ -79,6 +79,8 @@ std::tuple<at::Tensor, at::Tensor> topk_scores(const at::Tensor& scores, const a
 bool gemm_bf16_supported();
 at::Tensor pack_bf16(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& bias);
+at::Tensor pack_heads_bf16(const at::Tensor& w);
+void heads_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor> pack_experts_bf16(const at::Tensor& gate_up, const at::Tensor& down);
 at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
                     const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
@@ -107,6 +109,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether this CPU runs the bf16 micro-kernels (kernels/gemm/cpu_gemm.cpp)");
   m.def("pack_bf16", &pack_bf16, nogil, "a bf16 weight [N, K] packed for linear_bf16 (kernels/gemm/cpu_gemm.cpp)");
   m.def("linear_bf16", &linear_bf16, nogil, "x @ w^T (+ bias) in bf16 over a packed weight (kernels/gemm/cpu_gemm.cpp)");
+  m.def("pack_heads_bf16", &pack_heads_bf16, nogil, "per-head bf16 weights [H, N, K] packed for heads_bf16 (kernels/gemm/cpu_gemm.cpp)");
+  m.def("heads_bf16", &heads_bf16, nogil, "x[:, h] @ w[h]^T per head into a bf16 view (kernels/gemm/cpu_gemm.cpp)");
   m.def("pack_experts_bf16", &pack_experts_bf16, nogil, "stacked expert weights packed for moe_bf16 (kernels/gemm/cpu_gemm.cpp)");
   m.def("moe_bf16", &moe_bf16, nogil, "gated experts of each token, weighted and summed (kernels/gemm/cpu_gemm.cpp)");
   m.def("matmul_blas", &matmul_blas, "the kernels' matmuls through torch's BLAS (true) or plain loops");

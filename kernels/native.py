@@ -207,17 +207,19 @@ def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
 
 
 def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = False, gate=None,
-             act: str = "") -> torch.Tensor | None:
+             act: str = "", dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """models/layers/norm.py's norms in one pass: x / rms(x) in fp32, then times (offset + weight)
-    and act(gate) (act "silu", "sigmoid" or "" for a plain gate), cast to x's dtype; with
-    cast_first, cast to x's dtype first and times weight in that dtype. None where the kernel
-    cannot run."""
+    and act(gate) (act "silu", "sigmoid" or "" for a plain gate), cast to `dtype` (x's dtype, or
+    bf16 from fp32 x: the one rounding a cast of the fp32 output makes); with cast_first, cast to
+    x's dtype first and times weight in that dtype. Rows of a 2-D x are read in place (any
+    stride apart). None where the kernel cannot run."""
+    dtype = x.dtype if dtype is None else dtype
     ok = _routable(x) and (gate is None or (_routable(gate) and gate.shape == x.shape))
-    ext = extension() if ok else None
+    ext = extension() if ok and dtype in (x.dtype, torch.bfloat16) else None
     if ext is None:
         return None
     g = EMPTY if gate is None else _dense(gate)
-    return ext.rms_norm(_dense(x), _f32(weight), eps, offset, cast_first, g, act)
+    return ext.rms_norm(_rows(x) if x.dim() == 2 else _dense(x), _f32(weight), eps, offset, cast_first, g, act, dtype)
 
 
 def gated_group_norm(x, z, weight, groups: int, eps: float) -> torch.Tensor | None:
@@ -282,8 +284,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """t [R, C] as the kernels read rows: unit stride in C, rows any stride apart (a column range
-    of a wider projection is read in place)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    of a wider projection is read in place), not overlapping."""
+    return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
 
 
 def _routable(t: torch.Tensor) -> bool:
@@ -361,10 +363,31 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor | None:
         return None
     packed = _packed(weight, lambda: ext.pack_bf16(weight))
     b = EMPTY if bias is None else _f32(bias)
-    if x.dim() == 2:
-        return ext.linear_bf16(_dense(x), packed, weight.shape[0], b)
+    if x.dim() == 2:  # rows read in place (e.g. a column range of a fused projection's output)
+        return ext.linear_bf16(_rows(x), packed, weight.shape[0], b)
     out = ext.linear_bf16(_dense(x.reshape(-1, x.shape[-1])), packed, weight.shape[0], b)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+HEAD_PACKS: dict[str, dict] = {}  # heads_bf16's packed weights, one cache per tag
+
+
+def heads_bf16(x, weight, out, key=None, tag: str = "") -> bool:
+    """out[t, h, :N] = x[t, h] @ weight[h]^T for bf16 x [T, H, K] and weight [H, N, K] on CPU
+    through the packed micro-kernels (fp32 sums rounded once, as linear_bf16), written into out
+    [T, H, >= N] (a view, e.g. the first N channels of a wider tensor). The weight is packed once
+    per version of `key` (default: weight itself; a parameter the per-call view `weight` is made
+    from, with a `tag` per view). False where the kernels cannot run (the caller uses torch)."""
+    ok = x.device.type == "cpu" and x.dtype == weight.dtype == out.dtype == torch.bfloat16
+    ok = ok and weight.shape[2] % 2 == 0 and x.stride(-1) == 1 and out.stride(-1) == 1
+    ok = ok and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ext = _bf16_gemm() if ok else None
+    if ext is None:
+        return False
+    packed = _packed(weight if key is None else key, lambda: ext.pack_heads_bf16(weight.contiguous()),
+                     HEAD_PACKS.setdefault(tag, {}))
+    ext.heads_bf16(x, packed, weight.shape[1], out)
+    return True
 
 
 def moe_bf16(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:

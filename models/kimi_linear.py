@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+from kernels import native
 from kernels.kda import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
@@ -67,7 +68,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, decay, beta = delta_inputs(qkv, hd, self.f_b_proj(f)[:, None], self.A_log, self.dt_bias, b[:, None])
         o = delta_rule(batch, buf["recurrent"], "kda", q, k, v, decay, beta)  # [T, H, D]
         gate = self.g_b_proj(g).view(t, self.h, self.d)
-        return self.o_proj(self.o_norm(o, gate).to(x.dtype).reshape(t, -1))
+        return self.o_proj(self.o_norm(o, gate, x.dtype).reshape(t, -1))
 
 
 class MLAttention(nn.Module):
@@ -112,13 +113,21 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
         store_kv(batch, cache, None, latent[:, None])
-        w_uk, w_uv = self.kv_b_proj.weight.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, r]
+        w = self.kv_b_proj.weight
+        w_uk, w_uv = w.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
+        # the absorbed products per head: bf16 on CPU through the packed micro-kernels (torch's bf16
+        # bmm at decode sizes is a plain loop, ~1 ms a call), else einsum
+        q_att = q.new_empty(t, self.h, self.r + self.rope)  # [T, H, r + rope]: latent query | rope query
+        if not native.heads_bf16(q_nope, w_uk.transpose(1, 2), q_att[..., : self.r], w, "w_uk"):
+            q_att[..., : self.r] = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        q_att[..., self.r :] = q_rope
         attn = kernels.get("attention", x.device)
-        o = attn(torch.cat([q_lat, q_rope], -1), cache, None, batch.page_table, batch.cu_seqlens, batch.seq_lens,
-                 self.scale, v_dim=self.r)  # [T, H, r]
-        o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
-        return self.o_proj(o.reshape(t, -1))
+        o = attn(q_att, cache, None, batch.page_table, batch.cu_seqlens, batch.seq_lens, self.scale,
+                 v_dim=self.r)  # [T, H, r]
+        out = o.new_empty(t, self.h, self.vd)  # [T, H, v]
+        if not native.heads_bf16(o, w_uv, out, w, "w_uv"):
+            out = torch.einsum("thr,hvr->thv", o, w_uv)
+        return self.o_proj(out.reshape(t, -1))
 
 
 class KimiExpert(nn.Module):

@@ -84,7 +84,7 @@ class GatedDeltaNet(nn.Module):
         # fp32 q, k [T, H, K] l2-normalised, v [T, HV, V], g [T, HV, 1], beta [T, HV]
         q, k, v, g, beta = delta_inputs(qkv, (h, dk, hv, dv), a, self.A_log, self.dt_bias, b)
         o = delta_rule(batch, buf["recurrent"], "gdn", q, k, v, g.view(t, hv), beta)  # [T, HV, V]
-        o = self.norm(o, z.view(t, hv, dv)).to(x.dtype)
+        o = self.norm(o, z.view(t, hv, dv), x.dtype)
         return self.out_proj(o.reshape(t, -1))
 
 

@@ -85,6 +85,9 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   const int64_t k_page = kc.stride(0), k_row = kc.stride(1), k_head = kc.stride(2);
   const int64_t v_page = vc.stride(0), v_row = vc.stride(1), v_head = vc.stride(2);
   const float sc = static_cast<float>(scale);
+  // MLA's latent layout: the values are the keys' first Dv channels, widened once with the keys
+  const bool latent = vp == kp && v_page == k_page && v_row == k_row && v_head == k_head && Dv <= Dk;
+  const int64_t ldv = latent ? Dk : Dv;  // row stride of the fp32 value rows
   std::vector<float> m(N * H, -1e30f), l(N * H, 0.f);  // -1e30: finite, built with -ffast-math
   std::fill(op, op + N * H * Dv, 0.f);
   const int64_t shared = shared_pages(pp, width, lp, N, page_size);
@@ -111,10 +114,11 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       for (int64_t c = 0; c < shared; ++c) {
         const int64_t page = pp[c];
         const float* keys = as_rows(kp + page * k_page + g * k_head, k_row, page_size, Dk, kbuf.data());
-        const float* values = as_rows(vp + page * v_page + g * v_head, v_row, page_size, Dv, vbuf.data());
+        const float* values =
+            latent ? keys : as_rows(vp + page * v_page + g * v_head, v_row, page_size, Dv, vbuf.data());
         mm(false, true, rows, page_size, Dk, 1.f, qf.data(), Dk, keys, Dk, 0.f, p.data(), page_size);
         softmax_block(p.data(), page_size, rows, page_size, mr.data(), lr.data(), acc.data(), Dv);
-        mm(false, false, rows, Dv, page_size, 1.f, p.data(), page_size, values, Dv, 1.f, acc.data(), Dv);
+        mm(false, false, rows, Dv, page_size, 1.f, p.data(), page_size, values, ldv, 1.f, acc.data(), Dv);
       }
       for (int64_t i = 0; i < ns; ++i)
         for (int64_t r = 0; r < R; ++r) {
@@ -137,12 +141,13 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
           const int64_t page = table[t / page_size], row = t % page_size;
           const int64_t run = std::min(page_size - row, t0 + cnt - t);
           widen(kp + page * k_page + row * k_row + g * k_head, k_row, run, Dk, kb.data() + (t - t0) * Dk);
-          widen(vp + page * v_page + row * v_row + g * v_head, v_row, run, Dv, vb.data() + (t - t0) * Dv);
+          if (!latent)
+            widen(vp + page * v_page + row * v_row + g * v_head, v_row, run, Dv, vb.data() + (t - t0) * Dv);
           t += run;
         }
         mm(false, true, R, cnt, Dk, 1.f, qf.data(), Dk, kb.data(), Dk, 0.f, p.data(), block);
         softmax_block(p.data(), block, R, cnt, mg, lg, a, Dv);
-        mm(false, false, R, Dv, cnt, 1.f, p.data(), block, vb.data(), Dv, 1.f, a, Dv);
+        mm(false, false, R, Dv, cnt, 1.f, p.data(), block, latent ? kb.data() : vb.data(), ldv, 1.f, a, Dv);
       }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t d = 0; d < Dv; ++d) a[r * Dv + d] /= lg[r];

@@ -17,6 +17,9 @@
 // thousand rows). With fewer row blocks than threads can share, work items are (row block, column
 // block) pairs.
 //
+// `heads_bf16`: one such matmul per head, x [T, H, K] against w [H, N, K], into a view (MLA's
+// absorbed query and value projections, models/kimi_linear.py).
+//
 // `moe_bf16`: the mixture of experts of models/layers/mlp.py run_experts for gated experts
 // without biases: each (token, choice) row goes to its expert; per block of one expert's rows,
 // gate and up (each rounded to bf16), act(gate) rounded, times up rounded, then down rounded;
@@ -113,10 +116,12 @@ at::Tensor pack_bf16(const at::Tensor& w) {
   return out;
 }
 
-// x [M, K] bf16 contiguous, packed from pack_bf16 of a [N, K] weight, bias [N] fp32 or empty.
+// x [M, K] bf16 with unit stride in K (rows any stride apart: a column range of a wider
+// projection is read in place), packed from pack_bf16 of a [N, K] weight, bias [N] fp32 or empty.
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "linear_bf16: contiguous bf16 x [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) >= x.size(1),
+              "linear_bf16: bf16 x [M, K] with unit stride in K");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), lda = x.stride(0);
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BN && NB * BN >= N, "linear_bf16: packed weight");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N), "linear_bf16: bias [N] fp32");
   auto out = at::empty({M, N}, x.options());
@@ -131,7 +136,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
       FlushDenormals flush;
       std::vector<float> C(std::min(GB, NB) * BM * BN);
       for (int64_t i = begin; i < end; ++i)
-        row_block(X + i * BM * K, K, std::min(BM, M - i * BM), K, W, NB, N, b, C.data(),
+        row_block(X + i * BM * lda, lda, std::min(BM, M - i * BM), K, W, NB, N, b, C.data(),
                   [&](int64_t r) { return O + (i * BM + r) * N; });
       cpublas::brgemm_release();
     });
@@ -143,12 +148,66 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
     alignas(64) float C[BM * BN];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m0 = i / NB * BM, n0 = i % NB * BN, m = std::min(BM, M - m0);
-      cpublas::brgemm(m, BN, K, K, BN, BN, false, X + m0 * K, W + i % NB * K * BN, C);
+      cpublas::brgemm(m, BN, K, lda, BN, BN, false, X + m0 * lda, W + i % NB * K * BN, C);
       store(C, m, std::min(BN, N - n0), b ? b + n0 : nullptr, O + m0 * N + n0, N);
     }
     cpublas::brgemm_release();
   });
   return out;
+}
+
+// w [H, N, K] bf16 (unit stride in K) -> packed [H, ceil(N / BN), K, BN]: one pack_bf16 per head.
+at::Tensor pack_heads_bf16(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.stride(2) == 1, "pack_heads_bf16: bf16 w [H, N, K]");
+  TORCH_CHECK(w.size(2) % 2 == 0, "pack_heads_bf16: K must be even (VNNI pairs)");
+  const int64_t H = w.size(0), N = w.size(1), K = w.size(2);
+  auto out = at::empty({H, (N + BN - 1) / BN, K, BN}, w.options());
+  for (int64_t h = 0; h < H; ++h)
+    pack_into(w[h].data_ptr<BFloat16>(), w.stride(1), N, K, out[h].data_ptr<BFloat16>());
+  return out;
+}
+
+// Per-head matmuls (MLA's absorbed projections): out[t, h, :N] = x[t, h] @ w[h]^T for x [T, H, K]
+// bf16 and packed from pack_heads_bf16 of w [H, N, K], written into out [T, H, >= N] bf16 (a view:
+// rows and heads any stride, unit stride in the last dim). Every output an fp32 sum rounded once,
+// as linear_bf16's. Work items are (head, row block), or (head, row block, column block) where
+// there are too few of those for the threads.
+void heads_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1, "heads_bf16: bf16 x [T, H, K]");
+  const int64_t T = x.size(0), H = x.size(1), K = x.size(2), NB = packed.size(1);
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) == H && packed.size(2) == K && packed.size(3) == BN && NB * BN >= N,
+              "heads_bf16: packed weights [H, NB, K, BN]");
+  TORCH_CHECK(out.dim() == 3 && out.scalar_type() == at::kBFloat16 && out.size(0) == T && out.size(1) == H &&
+                  out.size(2) >= N && out.stride(2) == 1, "heads_bf16: bf16 out [T, H, >= N]");
+  if (!T) return;
+  const BFloat16* X = x.data_ptr<BFloat16>();
+  const BFloat16* W = packed.data_ptr<BFloat16>();
+  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
+  const int64_t MB = (T + BM - 1) / BM, xr = x.stride(0), xh = x.stride(1), orow = out.stride(0), oh = out.stride(1);
+  if (H * MB >= 4 * at::get_num_threads()) {  // prefill sizes: a work item is (head, row block), its rows whole
+    at::parallel_for(0, H * MB, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals flush;
+      std::vector<float> C(std::min(GB, NB) * BM * BN);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / MB, m0 = i % MB * BM;
+        row_block(X + m0 * xr + h * xh, xr, std::min(BM, T - m0), K, W + h * NB * K * BN, NB, N, nullptr, C.data(),
+                  [&](int64_t r) { return O + (m0 + r) * orow + h * oh; });
+      }
+      cpublas::brgemm_release();
+    });
+    return;
+  }
+  at::parallel_for(0, H * MB * NB, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
+    alignas(64) float C[BM * BN];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / (MB * NB), mb = i / NB % MB, nb = i % NB;
+      const int64_t m0 = mb * BM, n0 = nb * BN, m = std::min(BM, T - m0);
+      cpublas::brgemm(m, BN, K, xr, BN, BN, false, X + m0 * xr + h * xh, W + (h * NB + nb) * K * BN, C);
+      store(C, m, std::min(BN, N - n0), nullptr, O + m0 * orow + h * oh + n0, orow);
+    }
+    cpublas::brgemm_release();
+  });
 }
 
 // gate_up [E, 2 * I, D] bf16 (gate rows, then up rows, per expert; rows may be strided) ->

@@ -26,18 +26,18 @@ inline float inv_rms(const T* x, int64_t D, float eps) {
   return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
 }
 
-template <typename T, typename G>
-void norm_rows(const T* x, const float* w, float offset, bool cast_first, const G* gate, Act act, float eps,
-               int64_t rows, int64_t D, T* y) {
+template <typename T, typename G, typename Y>
+void norm_rows(const T* x, int64_t ldx, const float* w, float offset, bool cast_first, const G* gate, Act act,
+               float eps, int64_t rows, int64_t D, Y* y) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> v(D);
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * D;
-      T* yr = y + r * D;
+      const T* xr = x + r * ldx;
+      Y* yr = y + r * D;
       const float inv = inv_rms(xr, D, eps);
       if (cast_first) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(as_float(narrow<T>(as_float(xr[d]) * inv)) * w[d]);
+        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<Y>(as_float(narrow<T>(as_float(xr[d]) * inv)) * w[d]);
         continue;
       }
 #pragma omp simd
@@ -56,7 +56,7 @@ void norm_rows(const T* x, const float* w, float offset, bool cast_first, const 
         }
       }
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(v[d]);
+      for (int64_t d = 0; d < D; ++d) yr[d] = narrow<Y>(v[d]);
     }
   });
 }
@@ -164,31 +164,39 @@ at::Tensor gated_group_norm(const at::Tensor& x, const at::Tensor& z, const at::
   return y;
 }
 
-// x [..., D] with a contiguous layout (fp32 or bf16); weight [D] fp32; gate [..., D] like x's
-// shape (fp32 or bf16) or empty; act "silu", "sigmoid" or "" for the gate. Returns y in x's
-// dtype and shape.
+// x [..., D] with a contiguous layout, or rows [R, D] any stride apart (fp32 or bf16); weight [D]
+// fp32; gate [..., D] like x's shape, contiguous (fp32 or bf16), or empty; act "silu", "sigmoid" or
+// "" for the gate. Returns y [..., D] contiguous in out_dtype: x's dtype, or bf16 (one rounding of
+// the fp32 result, as a cast of the fp32 output would round it).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset, bool cast_first,
-                    const at::Tensor& gate, const std::string& act) {
-  TORCH_CHECK(x.is_contiguous() && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "rms_norm: contiguous x, contiguous fp32 weight");
-  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0;
+                    const at::Tensor& gate, const std::string& act, at::ScalarType out_dtype) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous(), "rms_norm: contiguous fp32 weight");
+  const bool rows2d = x.dim() == 2 && x.stride(1) == 1 && x.stride(0) >= x.size(1);  // rows any stride apart
+  TORCH_CHECK(rows2d || x.is_contiguous(), "rms_norm: contiguous x, or rows [R, D] with unit stride in D");
+  const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0, ldx = rows2d ? x.stride(0) : D;
   TORCH_CHECK(weight.numel() == D, "rms_norm: weight [D]");
   TORCH_CHECK(!gate.numel() || (gate.sizes() == x.sizes() && gate.is_contiguous()), "rms_norm: gate like x");
   TORCH_CHECK(!cast_first || !gate.numel(), "rms_norm: cast_first takes no gate");
+  TORCH_CHECK(out_dtype == x.scalar_type() || out_dtype == at::kBFloat16, "rms_norm: output in x's dtype or bf16");
+  TORCH_CHECK(!gate.numel() || gate.scalar_type() == at::kBFloat16 || gate.scalar_type() == at::kFloat,
+              "rms_norm: fp32 or bf16 gate");
   const Act a = act == "silu" ? kSilu : act == "sigmoid" ? kSigmoid : kNone;
-  auto y = at::empty_like(x);
+  auto y = at::empty(x.sizes(), x.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     using T = scalar_t;
     const T* xp = x.data_ptr<T>();
     const float* wp = weight.data_ptr<float>();
-    if (gate.numel() && gate.scalar_type() == at::kBFloat16)
-      norm_rows<T, c10::BFloat16>(xp, wp, offset, cast_first, gate.data_ptr<c10::BFloat16>(), a, eps, rows, D,
-                                  y.data_ptr<T>());
-    else {
-      TORCH_CHECK(!gate.numel() || gate.scalar_type() == at::kFloat, "rms_norm: fp32 or bf16 gate");
-      norm_rows<T, float>(xp, wp, offset, cast_first, gate.numel() ? gate.data_ptr<float>() : nullptr, a, eps, rows,
-                          D, y.data_ptr<T>());
-    }
+    auto run = [&](auto* out) {
+      if (gate.numel() && gate.scalar_type() == at::kBFloat16)
+        norm_rows(xp, ldx, wp, offset, cast_first, gate.data_ptr<c10::BFloat16>(), a, eps, rows, D, out);
+      else
+        norm_rows(xp, ldx, wp, offset, cast_first, gate.numel() ? gate.data_ptr<float>() : nullptr, a, eps, rows, D,
+                  out);
+    };
+    if (out_dtype == x.scalar_type())
+      run(y.data_ptr<T>());
+    else
+      run(y.data_ptr<c10::BFloat16>());
   });
   return y;
 }

@@ -54,9 +54,10 @@ class GatedRMSNorm(nn.Module):
         self.eps, self.activation = eps, activation
         self.act = GATE_ACTS[activation]
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        y = native.rms_norm(x, self.weight, self.eps, gate=gate, act=self.activation)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """In `dtype` (default x's): one rounding of the fp32 result."""
+        dtype = x.dtype if dtype is None else dtype
+        y = native.rms_norm(x, self.weight, self.eps, gate=gate, act=self.activation, dtype=dtype)
         if y is not None:
             return y
         x = F.rms_norm(x.float(), x.shape[-1:], self.weight.float(), self.eps)

@@ -62,6 +62,44 @@ def test_linear_bias_strided_weight_and_batch_dims():
     torch.testing.assert_close(got, (F.linear(x.float(), w.float()) + b.float()).bfloat16(), rtol=2**-7, atol=1e-6)
 
 
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 64, 700])
+def test_linear_reads_a_column_range_in_place(rows):
+    """x a column range of a wider tensor (a fused projection's output) gives the bits of the
+    same rows made contiguous, at decode and prefill sizes."""
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 200, generator=gen).bfloat16()
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    x = wide[:, 100:164]
+    assert x.stride() == (200, 1)
+    assert torch.equal(native.linear_bf16(x, w), native.linear_bf16(x.contiguous(), w))
+    assert torch.equal(native.linear_bf16(x, w), F.linear(x.contiguous(), w))
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("tokens", [0, 1, 64, 65, 700])
+def test_heads_equal_torch_einsum_bit_for_bit(tokens):
+    """The per-head products of MLA's absorbed projections (x [T, H, K] a strided view, w [H, N,
+    K]) written into a column range of a wider tensor are torch's bf16 einsum's, every bit, at
+    decode sizes (items per column block) and prefill sizes (row blocks whole); the rest of the
+    tensor is untouched."""
+    gen = torch.Generator().manual_seed(tokens)
+    h, k, n = 4, 64, 128
+    q = torch.randn(tokens, h, k + 32, generator=gen).bfloat16()[..., :k]  # rows and heads strided
+    w = torch.randn(h, k + 64, n, generator=gen).bfloat16()
+    w_uk = w[:, :k]  # [H, K, N]: the weight of head h is w_uk[h]^T
+    out = torch.full((tokens, h, n + 32), 7.0).bfloat16()
+    assert native.heads_bf16(q, w_uk.transpose(1, 2), out[..., :n], w, "test_heads")
+    assert torch.equal(out[..., :n], torch.einsum("thk,hkn->thn", q, w_uk))
+    assert bool((out[..., n:] == 7).all())
+    w_uv = w[:, k:]  # [H, 64, N]: a second view of the same parameter, its own pack
+    o = torch.randn(tokens, h, n, generator=gen).bfloat16()
+    got = torch.empty(tokens, h, 64).bfloat16()
+    assert native.heads_bf16(o, w_uv, got, w, "test_heads_uv")
+    assert torch.equal(got, torch.einsum("thn,hvn->thv", o, w_uv))
+    assert not native.heads_bf16(q.float(), w_uk.float().transpose(1, 2), out.float()[..., :n])  # fp32: torch's
+
+
 def test_linear_falls_back_to_torch_where_the_kernels_do_not_run():
     """fp32, odd input widths and autograd go to F.linear (None from the wrapper)."""
     x = torch.randn(4, 9)

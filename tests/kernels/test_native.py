@@ -454,6 +454,24 @@ def test_rms_norm_equals_torch_norm(dtype, form, monkeypatch):
 
 
 @needs_kernel
+def test_rms_norm_in_bf16_and_of_strided_rows():
+    """The gated norm of an fp32 input straight to bf16 gives the fp32 result cast, every bit (one
+    rounding either way); the rows of a column range are normed in place, as their contiguous copy."""
+    gen = torch.Generator().manual_seed(8)
+    x, w = torch.randn(70, 4, 64, generator=gen) * 3, torch.randn(64, generator=gen)
+    gate = torch.randn(70, 4, 64, generator=gen).bfloat16()
+    for act in ("sigmoid", "silu"):
+        got = native.rms_norm(x, w, 1e-6, gate=gate, act=act, dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, native.rms_norm(x, w, 1e-6, gate=gate, act=act).bfloat16())
+    wide = (torch.randn(70, 200, generator=gen) * 3).bfloat16()
+    rows = wide[:, 30:94]
+    assert rows.stride() == (200, 1)
+    for kw in ({}, {"cast_first": True}, {"offset": 1.0}):
+        assert torch.equal(native.rms_norm(rows, w, 1e-6, **kw), native.rms_norm(rows.contiguous(), w, 1e-6, **kw))
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_gated_group_norm_equals_torch_norm(dtype, groups, monkeypatch):
