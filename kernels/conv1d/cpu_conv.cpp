@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -113,27 +114,32 @@ void conv_step_impl(const T* x, int64_t ld, const float* w, const float* bias, S
                     int64_t N, int64_t D, int64_t W, bool silu, T* y) {
   const int64_t L = D * (W - 1);  // a slot's windows, channel by channel
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D), win(L);
+    std::vector<float> acc(D), win(std::is_same_v<S, float> ? 0 : L);
     for (int64_t n = begin; n < end; ++n) {
       S* st = state + slots[n] * L;
       const T* xn = x + n * ld;
       T* yn = y + n * D;
-      // the windows as fp32 in one contiguous pass, the strided per-channel reads below then from
-      // that buffer (reading and shifting bf16 windows in place channel by channel, as strided
-      // 2-byte loads and stores, took 1.6-1.7x as long at 768-1,280 channels)
+      // bf16 windows widened to fp32 in one contiguous pass, the strided per-channel reads below
+      // then from that buffer (reading and shifting them in place channel by channel, as strided
+      // 2-byte loads and stores, took 1.6-1.7x as long at 768-1,280 channels); fp32 ones read in place
+      const float* wins = win.data();
+      if constexpr (std::is_same_v<S, float>) {
+        wins = st;
+      } else {
 #pragma omp simd
-      for (int64_t i = 0; i < L; ++i) win[i] = as_float(st[i]);
+        for (int64_t i = 0; i < L; ++i) win[i] = as_float(st[i]);
+      }
       if (W == 4) {  // the common width, channels as vectors
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) {
-          const float* s = win.data() + d * 3;
+          const float* s = wins + d * 3;
           const float* wd = w + d * 4;
           const float a = s[0] * wd[0] + s[1] * wd[1] + s[2] * wd[2] + as_float(xn[d]) * wd[3];
           acc[d] = bias ? a + bias[d] : a;
         }
       } else {
         for (int64_t d = 0; d < D; ++d) {
-          const float* s = win.data() + d * (W - 1);  // the W-1 inputs before this token, oldest first
+          const float* s = wins + d * (W - 1);  // the W-1 inputs before this token, oldest first
           const float* wd = w + d * W;
           float a = 0.f;
           for (int64_t j = 0; j < W - 1; ++j) a += s[j] * wd[j];
