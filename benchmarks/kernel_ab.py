@@ -1,0 +1,196 @@
+"""The compiled CPU kernels of another revision against this checkout's, alternating in one process.
+
+    python -m benchmarks.kernel_ab --rev HEAD~1 [--repeats 40] [--threads 2] [--only decode,conv]
+    python -m benchmarks.kernel_ab --old PATH/TO/hybridserve_cpu_<hash>.so
+
+Two processes on a shared machine measure the machine as much as the change: here the same
+run spreads 1.5-2x from one minute to the next. So both builds' modules are loaded into one
+process and each case calls them alternately on the same inputs (the old module's state
+arguments on a copy), and the minimum over `--repeats` calls is compared. `--rev` checks the
+revision out into a temporary worktree and builds its module there (a few minutes, once per
+revision: the build is cached like any other); `--old` loads a module built before.
+
+The cases are the decode-step and prefill kernels at the peer benchmark's sizes (64 sequences
+of 1,024 shared + 320 own keys; the built-in Kimi model's and Qwen3-Next's layer shapes).
+Each prints both times, new / old, and the largest difference between the outputs (0: the same
+bits). A case the old module cannot run (a kernel it does not have, or another signature) is
+listed as skipped with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hybridserve.host import keep_freed_memory
+from kernels import native
+
+ROOT = Path(__file__).resolve().parent.parent
+EMPTY = torch.empty(0)
+
+# name -> (inputs(gen) -> tuple, call(ext, *inputs) -> tensor or tuple of tensors); inputs that a
+# call writes in place (states) are cloned for each module
+Case = tuple[Callable[[torch.Generator], tuple], Callable[..., object], tuple[int, ...]]
+
+
+def decode_case(layout: str, dtype: torch.dtype, shared: int, own: int, page: int = 64, n: int = 64) -> Case:
+    h, hkv, dk, dv = (4, 1, 160, 128) if layout == "mla" else (4, 2, 64, 64)
+
+    def inputs(gen):
+        width = (shared + own + page - 1) // page
+        kc = torch.randn(n * width + 1, page, hkv, dk, generator=gen).to(dtype)
+        vc = kc if layout == "mla" else torch.randn(kc.shape, generator=gen).to(dtype)
+        table = torch.arange(n * width).view(n, width) + 1  # each sequence its own pages
+        table[:, : shared // page] = torch.arange(shared // page)  # then the shared ones first
+        return torch.randn(n, h, dk, generator=gen).to(dtype), kc, vc, table, torch.full((n,), shared + own)
+
+    return inputs, lambda ext, q, kc, vc, table, lens: ext.paged_decode(q, kc, vc, table, lens, 0.1, dv), ()
+
+
+def conv_case(dtype: torch.dtype, channels: int, n: int = 64, width: int = 4) -> Case:
+    def inputs(gen):
+        x = torch.randn(n, channels + 100, generator=gen).bfloat16()[:, :channels]  # a projection's columns
+        state = torch.randn(2 * n, channels, width - 1, generator=gen).to(dtype)
+        return x, torch.randn(channels, width, generator=gen), state, torch.randperm(2 * n, generator=gen)[:n]
+
+    return inputs, lambda ext, x, w, state, slots: ext.conv_step(x, w, EMPTY, state, slots, True), (2,)
+
+
+def delta_case(kind: str, n: int = 64) -> Case:
+    h, hv, d = (4, 4, 64) if kind == "kda" else (2, 4, 64)
+
+    def inputs(gen):
+        q, k = (torch.nn.functional.normalize(torch.randn(n, h, d, generator=gen), dim=-1) for _ in range(2))
+        g = -torch.rand(n, hv, d if kind == "kda" else 1, generator=gen)
+        state = torch.randn(2 * n, hv, d, d, generator=gen) * 0.1
+        return (q, k, torch.randn(n, hv, d, generator=gen), g, torch.rand(n, hv, generator=gen), state,
+                torch.randperm(2 * n, generator=gen)[:n])
+
+    return inputs, lambda ext, q, k, v, g, b, state, slots: ext.delta_step(q, k, v, g, b, state, slots, d**-0.5), (5,)
+
+
+def linear_case(rows: int, outs: int, ins: int = 256) -> Case:
+    packs: dict[int, torch.Tensor] = {}
+
+    def call(ext, x, w):
+        if id(ext) not in packs:  # once per module, as the engine packs a weight once
+            packs[id(ext)] = ext.pack_bf16(w)
+        return ext.linear_bf16(x, packs[id(ext)], outs, EMPTY)
+
+    return lambda gen: (torch.randn(rows, ins, generator=gen).bfloat16(),
+                        torch.randn(outs, ins, generator=gen).bfloat16()), call, ()
+
+
+def norm_case(rows: int, dim: int = 256) -> Case:
+    return (lambda gen: (torch.randn(rows, dim, generator=gen).bfloat16(), torch.randn(dim, generator=gen)),
+            lambda ext, x, w: ext.add_rms_norm(x, x, w, 1e-6, 0.0, True), ())
+
+
+CASES: dict[str, Case] = {
+    "decode mla bf16 1024+320": decode_case("mla", torch.bfloat16, 1024, 320),
+    "decode mla bf16 0+320": decode_case("mla", torch.bfloat16, 0, 320),
+    "decode gqa bf16 1024+320": decode_case("gqa", torch.bfloat16, 1024, 320),
+    "decode gqa fp32 0+320": decode_case("gqa", torch.float32, 0, 320),
+    "conv_step bf16 768": conv_case(torch.bfloat16, 768),
+    "conv_step fp32 768": conv_case(torch.float32, 768),
+    "delta_step kda": delta_case("kda"),
+    "delta_step gdn": delta_case("gdn"),
+    "linear 64 x 256 -> 776": linear_case(64, 776),
+    "linear 6000 x 256 -> 776": linear_case(6000, 776),
+    "add_rms_norm 64 x 256": norm_case(64),
+}
+
+
+def build_rev(rev: str) -> Path:
+    """This repository at `rev` in a temporary worktree, its module built there; the module's path."""
+    tree = Path(tempfile.mkdtemp(prefix="kernel_ab_")) / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
+                   capture_output=True)
+    try:
+        print(f"building {rev} in {tree} (minutes the first time) ...", flush=True)
+        out = subprocess.run([sys.executable, "-c", "from kernels import native; print(native.extension().__file__)"],
+                             cwd=tree, check=True, capture_output=True, text=True)
+        return Path(out.stdout.strip().splitlines()[-1])
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+
+
+def load(path: Path):
+    if path.is_dir():
+        path = next(path.glob("*.so"))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{path}: not a loadable module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def largest_difference(a, b) -> float:
+    a, b = (a if isinstance(a, (tuple, list)) else (a,)), (b if isinstance(b, (tuple, list)) else (b,))
+    return max((x.float() - y.float()).abs().max().item() if x.numel() else 0.0 for x, y in zip(a, b))
+
+
+def compare(name: str, case: Case, old, new, repeats: int) -> dict:
+    make, call, in_place = case
+    args = make(torch.Generator().manual_seed(0))
+    mine = {"old": list(args), "new": list(args)}
+    for i in in_place:  # each module advances its own copy of the states
+        mine["old"][i] = args[i].clone()
+        mine["new"][i] = args[i].clone()
+    try:
+        outs = {side: call(ext, *mine[side]) for side, ext in (("old", old), ("new", new))}
+    except (AttributeError, TypeError, RuntimeError) as e:
+        return {"case": name, "skipped": str(e).splitlines()[0][:100]}
+    diff = largest_difference(outs["old"], outs["new"])
+    best = {"old": float("inf"), "new": float("inf")}
+    for _ in range(repeats):
+        for side, ext in (("old", old), ("new", new)):
+            t0 = time.perf_counter()
+            call(ext, *mine[side])
+            best[side] = min(best[side], time.perf_counter() - t0)
+    return {"case": name, "old_us": best["old"] * 1e6, "new_us": best["new"] * 1e6,
+            "ratio": best["new"] / best["old"], "max_diff": diff}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--rev", help="a git revision of this repository: its kernels are built and compared")
+    which.add_argument("--old", type=Path, help="a module built before (its .so or its build folder)")
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated substrings of the case names to run")
+    args = ap.parse_args(argv)
+    new = native.extension()
+    if new is None:
+        raise SystemExit("this checkout's CPU kernels are not built (see the log above)")
+    old = load(build_rev(args.rev) if args.rev else args.old)
+    keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    wanted = [w for w in args.only.split(",") if w]
+    rows = []
+    print(f"old {Path(old.__file__).parent.name}, new {Path(new.__file__).parent.name}; "
+          f"min of {args.repeats} alternating calls, {args.threads} threads")
+    for name, case in CASES.items():
+        if wanted and not any(w in name for w in wanted):
+            continue
+        r = compare(name, case, old, new, args.repeats)
+        rows.append(r)
+        if "skipped" in r:
+            print(f"{name:28s} skipped: {r['skipped']}")
+        else:
+            print(f"{name:28s} old {r['old_us']:9.1f} us  new {r['new_us']:9.1f} us  new/old {r['ratio']:5.2f}  "
+                  f"max diff {r['max_diff']:.1e}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
