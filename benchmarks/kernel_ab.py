@@ -110,16 +110,17 @@ CASES: dict[str, Case] = {
 
 def build_rev(rev: str) -> Path:
     """This repository at `rev` in a temporary worktree, its module built there; the module's path."""
-    tree = Path(tempfile.mkdtemp(prefix="kernel_ab_")) / "tree"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
-                   capture_output=True)
-    try:
-        print(f"building {rev} in {tree} (minutes the first time) ...", flush=True)
-        out = subprocess.run([sys.executable, "-c", "from kernels import native; print(native.extension().__file__)"],
-                             cwd=tree, check=True, capture_output=True, text=True)
-        return Path(out.stdout.strip().splitlines()[-1])
-    finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    with tempfile.TemporaryDirectory(prefix="kernel_ab_") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
+                       capture_output=True)
+        try:
+            print(f"building {rev} in {tree} (minutes the first time) ...", flush=True)
+            show = "from kernels import native; print(native.extension().__file__)"
+            out = subprocess.run([sys.executable, "-c", show], cwd=tree, check=True, capture_output=True, text=True)
+            return Path(out.stdout.strip().splitlines()[-1])  # the module stays where torch builds it
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
 
 
 def load(path: Path):
