@@ -116,43 +116,52 @@ at::Tensor pack_bf16(const at::Tensor& w) {
   return out;
 }
 
+// The matmuls of linear_bf16 (H = 1) and heads_bf16: for each head h, rows X + t * xr + h * xh
+// (T rows of K) against packed blocks W + h * NB * K * BN, plus bias, into rows O + t * orow + h * oh
+// (N outputs). At prefill sizes a work item is (head, row block), its rows written whole; with
+// fewer such items than four per thread, (head, row block, column block), column blocks fastest,
+// so that every thread works. The same micro-kernel calls, sums and rounding either way.
+static void matmul_rows(const BFloat16* X, int64_t T, int64_t H, int64_t K, int64_t xr, int64_t xh, const BFloat16* W,
+                 int64_t NB, int64_t N, const float* bias, uint16_t* O, int64_t orow, int64_t oh) {
+  const int64_t MB = (T + BM - 1) / BM;
+  if (H * MB >= 4 * at::get_num_threads()) {
+    at::parallel_for(0, H * MB, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals flush;
+      std::vector<float> C(std::min(GB, NB) * BM * BN);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / MB, m0 = i % MB * BM;
+        row_block(X + m0 * xr + h * xh, xr, std::min(BM, T - m0), K, W + h * NB * K * BN, NB, N, bias, C.data(),
+                  [&](int64_t r) { return O + (m0 + r) * orow + h * oh; });
+      }
+      cpublas::brgemm_release();
+    });
+    return;
+  }
+  at::parallel_for(0, H * MB * NB, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals flush;
+    alignas(64) float C[BM * BN];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / (MB * NB), m0 = i / NB % MB * BM, nb = i % NB, n0 = nb * BN, m = std::min(BM, T - m0);
+      cpublas::brgemm(m, BN, K, xr, BN, BN, false, X + m0 * xr + h * xh, W + (h * NB + nb) * K * BN, C);
+      store(C, m, std::min(BN, N - n0), bias ? bias + n0 : nullptr, O + m0 * orow + h * oh + n0, orow);
+    }
+    cpublas::brgemm_release();
+  });
+}
+
 // x [M, K] bf16 with unit stride in K (rows any stride apart: a column range of a wider
 // projection is read in place), packed from pack_bf16 of a [N, K] weight, bias [N] fp32 or empty.
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && x.stride(0) >= x.size(1),
               "linear_bf16: bf16 x [M, K] with unit stride in K");
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), lda = x.stride(0);
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
   TORCH_CHECK(packed.dim() == 3 && packed.size(1) == K && packed.size(2) == BN && NB * BN >= N, "linear_bf16: packed weight");
   TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N), "linear_bf16: bias [N] fp32");
   auto out = at::empty({M, N}, x.options());
   if (!M) return out;
-  const BFloat16* X = x.data_ptr<BFloat16>();
-  const BFloat16* W = packed.data_ptr<BFloat16>();
-  const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
-  const int64_t MB = (M + BM - 1) / BM;
-  if (MB >= 4 * at::get_num_threads()) {  // prefill sizes: a work item is a row block, its rows written whole
-    at::parallel_for(0, MB, 1, [&](int64_t begin, int64_t end) {
-      FlushDenormals flush;
-      std::vector<float> C(std::min(GB, NB) * BM * BN);
-      for (int64_t i = begin; i < end; ++i)
-        row_block(X + i * BM * lda, lda, std::min(BM, M - i * BM), K, W, NB, N, b, C.data(),
-                  [&](int64_t r) { return O + (i * BM + r) * N; });
-      cpublas::brgemm_release();
-    });
-    return out;
-  }
-  // few row blocks: (row block, column block) items, column blocks fastest, so that every thread works
-  at::parallel_for(0, MB * NB, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
-    alignas(64) float C[BM * BN];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = i / NB * BM, n0 = i % NB * BN, m = std::min(BM, M - m0);
-      cpublas::brgemm(m, BN, K, lda, BN, BN, false, X + m0 * lda, W + i % NB * K * BN, C);
-      store(C, m, std::min(BN, N - n0), b ? b + n0 : nullptr, O + m0 * N + n0, N);
-    }
-    cpublas::brgemm_release();
-  });
+  matmul_rows(x.data_ptr<BFloat16>(), M, 1, K, x.stride(0), 0, packed.data_ptr<BFloat16>(), NB, N,
+              bias.numel() ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>()),
+              N, 0);
   return out;
 }
 
@@ -170,8 +179,7 @@ at::Tensor pack_heads_bf16(const at::Tensor& w) {
 // Per-head matmuls (MLA's absorbed projections): out[t, h, :N] = x[t, h] @ w[h]^T for x [T, H, K]
 // bf16 and packed from pack_heads_bf16 of w [H, N, K], written into out [T, H, >= N] bf16 (a view:
 // rows and heads any stride, unit stride in the last dim). Every output an fp32 sum rounded once,
-// as linear_bf16's. Work items are (head, row block), or (head, row block, column block) where
-// there are too few of those for the threads.
+// as linear_bf16's.
 void heads_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kBFloat16 && x.stride(2) == 1, "heads_bf16: bf16 x [T, H, K]");
   const int64_t T = x.size(0), H = x.size(1), K = x.size(2), NB = packed.size(1);
@@ -180,34 +188,8 @@ void heads_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Te
   TORCH_CHECK(out.dim() == 3 && out.scalar_type() == at::kBFloat16 && out.size(0) == T && out.size(1) == H &&
                   out.size(2) >= N && out.stride(2) == 1, "heads_bf16: bf16 out [T, H, >= N]");
   if (!T) return;
-  const BFloat16* X = x.data_ptr<BFloat16>();
-  const BFloat16* W = packed.data_ptr<BFloat16>();
-  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
-  const int64_t MB = (T + BM - 1) / BM, xr = x.stride(0), xh = x.stride(1), orow = out.stride(0), oh = out.stride(1);
-  if (H * MB >= 4 * at::get_num_threads()) {  // prefill sizes: a work item is (head, row block), its rows whole
-    at::parallel_for(0, H * MB, 1, [&](int64_t begin, int64_t end) {
-      FlushDenormals flush;
-      std::vector<float> C(std::min(GB, NB) * BM * BN);
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t h = i / MB, m0 = i % MB * BM;
-        row_block(X + m0 * xr + h * xh, xr, std::min(BM, T - m0), K, W + h * NB * K * BN, NB, N, nullptr, C.data(),
-                  [&](int64_t r) { return O + (m0 + r) * orow + h * oh; });
-      }
-      cpublas::brgemm_release();
-    });
-    return;
-  }
-  at::parallel_for(0, H * MB * NB, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
-    alignas(64) float C[BM * BN];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / (MB * NB), mb = i / NB % MB, nb = i % NB;
-      const int64_t m0 = mb * BM, n0 = nb * BN, m = std::min(BM, T - m0);
-      cpublas::brgemm(m, BN, K, xr, BN, BN, false, X + m0 * xr + h * xh, W + (h * NB + nb) * K * BN, C);
-      store(C, m, std::min(BN, N - n0), nullptr, O + m0 * orow + h * oh + n0, orow);
-    }
-    cpublas::brgemm_release();
-  });
+  matmul_rows(x.data_ptr<BFloat16>(), T, H, K, x.stride(0), x.stride(1), packed.data_ptr<BFloat16>(), NB, N, nullptr,
+              reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>()), out.stride(0), out.stride(1));
 }
 
 // gate_up [E, 2 * I, D] bf16 (gate rows, then up rows, per expert; rows may be strided) ->
