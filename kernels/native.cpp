@@ -77,6 +77,7 @@ std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_
 std::tuple<at::Tensor, at::Tensor> topk_scores(const at::Tensor& scores, const at::Tensor& bias, int64_t k,
                                                 bool renorm, double scaling);
 bool gemm_bf16_supported();
+bool gemm_bf16_onednn();
 at::Tensor pack_bf16(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& bias);
 at::Tensor pack_heads_bf16(const at::Tensor& w);
@@ -107,6 +108,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("topk_softmax", &topk_softmax, nogil, "softmax routing: top-k probabilities and experts (kernels/moe/cpu_moe.cpp)");
   m.def("topk_scores", &topk_scores, nogil, "one-group routing: top-k experts by biased score (kernels/moe/cpu_moe.cpp)");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether this CPU runs the bf16 micro-kernels (kernels/gemm/cpu_gemm.cpp)");
+  m.def("gemm_bf16_onednn", &gemm_bf16_onednn, "whether they are oneDNN's (torch's bits) rather than the AVX2 ones");
   m.def("pack_bf16", &pack_bf16, nogil, "a bf16 weight [N, K] packed for linear_bf16 (kernels/gemm/cpu_gemm.cpp)");
   m.def("linear_bf16", &linear_bf16, nogil, "x @ w^T (+ bias) in bf16 over a packed weight (kernels/gemm/cpu_gemm.cpp)");
   m.def("pack_heads_bf16", &pack_heads_bf16, nogil, "per-head bf16 weights [H, N, K] packed for heads_bf16 (kernels/gemm/cpu_gemm.cpp)");

@@ -354,8 +354,8 @@ def _packed(key: torch.Tensor, pack, cache: dict | None = None, also: tuple[torc
 def linear_bf16(x, weight, bias=None) -> torch.Tensor | None:
     """F.linear(x, weight, bias) for bf16 x [..., K] and weight [N, K] on CPU through the packed
     micro-kernels of gemm/cpu_gemm.cpp (the weight packed on first use), or None where they
-    cannot run (another dtype or device, odd K, autograd, or a CPU without them: then torch's
-    matmul)."""
+    cannot run (another dtype or device, odd K, autograd, or a CPU with neither AMX nor AVX2:
+    then torch's matmul)."""
     ok = x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
     ok = ok and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd here
     ext = _bf16_gemm() if ok and weight.stride(1) == 1 else None

@@ -20,6 +20,14 @@
 // `heads_bf16`: one such matmul per head, x [T, H, K] against w [H, N, K], into a view (MLA's
 // absorbed query and value projections, models/kimi_linear.py).
 //
+// CPUs without bf16 micro-kernels in oneDNN (AVX2, or AVX-512 without bf16 support: no AMX)
+// run the same drivers over a micro-kernel of our own (`fma_block`): the packed blocks are plain
+// [K, BN] bf16 (no VNNI pairs); a call widens its rows and its block to fp32 and sums over K in
+// order with FMAs. Every output is again one fp32 sum in a fixed order rounded once to bf16, the
+// same whichever rows or blocks share the call; that order is not oneDNN's, so an output can
+// differ from torch's bf16 matmul by one bf16 step. torch's own bf16 matmul on such a CPU has no
+// vector kernel and is 10-40x slower than this (benchmarks/gemm.py).
+//
 // `moe_bf16`: the mixture of experts of models/layers/mlp.py run_experts for gated experts
 // without biases: each (token, choice) row goes to its expert; per block of one expert's rows,
 // gate and up (each rounded to bf16), act(gate) rounded, times up rounded, then down rounded;
@@ -30,6 +38,10 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "../denormal.h"
 #include "../widen.h"
@@ -50,16 +62,83 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BN = 32;  // columns per packed block
 constexpr int64_t BM = 64;  // rows per micro-kernel call
 
-// Pack w [N, K] (rows may be strided) into blocks [NB, K, BN] in place at out.
+// oneDNN's bf16 micro-kernels run on this CPU (AMX); else fma_block does their work.
+bool onednn_bf16() {
+  static const bool yes = cpublas::could_pack(at::kBFloat16);
+  return yes;
+}
+
+// Pack w [N, K] (rows may be strided) into blocks [NB, K, BN] in place at out: in oneDNN's VNNI
+// layout, or plain row-major for fma_block.
 void pack_into(const BFloat16* w, int64_t ldw, int64_t N, int64_t K, BFloat16* out) {
   const int64_t NB = (N + BN - 1) / BN;
   std::vector<BFloat16> block(K * BN);
   for (int64_t b = 0; b < NB; ++b) {
+    BFloat16* dst = onednn_bf16() ? block.data() : out + b * K * BN;
     for (int64_t k = 0; k < K; ++k)  // [K, BN] row-major: column n of the block is weight row b * BN + n
       for (int64_t n = 0; n < BN; ++n)
-        block[k * BN + n] = b * BN + n < N ? w[(b * BN + n) * ldw + k] : BFloat16(0.f);
-    cpublas::pack(K, BN, BN, BN, at::kBFloat16, at::kBFloat16, block.data(), out + b * K * BN);
+        dst[k * BN + n] = b * BN + n < N ? w[(b * BN + n) * ldw + k] : BFloat16(0.f);
+    if (onednn_bf16()) cpublas::pack(K, BN, BN, BN, at::kBFloat16, at::kBFloat16, block.data(), out + b * K * BN);
   }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// R rows of a [R, K] fp32 (rows K apart) times b [K, BN] fp32 -> c [R, BN] (rows BN apart): per
+// 16 columns, R x 2 accumulators, each output summed over k in order.
+template <int R>
+void fma_rows(const float* a, int64_t K, const float* b, float* c) {
+  for (int64_t j = 0; j < BN; j += 16) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b + k * BN + j), b1 = _mm256_loadu_ps(b + k * BN + j + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ss(a + r * K + k);
+        acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(c + r * BN + j, acc[r][0]);
+      _mm256_storeu_ps(c + r * BN + j + 8, acc[r][1]);
+    }
+  }
+}
+#endif
+
+// The micro-kernel call of the drivers below: C [m, BN] fp32 = A [m, K] bf16 (rows lda apart)
+// times packed block B [K, BN], m <= BM. Without oneDNN's: both widened to fp32 in this
+// thread's buffers, then six rows at a time.
+void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, float* C) {
+  if (onednn_bf16()) {
+    cpublas::brgemm(m, BN, K, lda, BN, BN, false, A, B, C);
+    return;
+  }
+#if defined(__AVX2__) && defined(__FMA__)
+  thread_local std::vector<float> a, b;
+  a.resize(m * K);
+  b.resize(K * BN);
+  for (int64_t i = 0; i < K * BN; ++i) b[i] = as_float(B[i]);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t k = 0; k < K; ++k) a[r * K + k] = as_float(A[r * lda + k]);
+  int64_t r = 0;
+  for (; r + 6 <= m; r += 6) fma_rows<6>(&a[r * K], K, b.data(), C + r * BN);
+  switch (m - r) {
+    case 5: fma_rows<5>(&a[r * K], K, b.data(), C + r * BN); break;
+    case 4: fma_rows<4>(&a[r * K], K, b.data(), C + r * BN); break;
+    case 3: fma_rows<3>(&a[r * K], K, b.data(), C + r * BN); break;
+    case 2: fma_rows<2>(&a[r * K], K, b.data(), C + r * BN); break;
+    case 1: fma_rows<1>(&a[r * K], K, b.data(), C + r * BN); break;
+    default: break;
+  }
+#else
+  TORCH_CHECK(false, "bf16 micro-kernels: neither oneDNN's nor AVX2 ones on this CPU");
+#endif
+}
+
+// A thread's oneDNN micro-kernel state, released at the end of its work.
+void release() {
+  if (onednn_bf16()) cpublas::brgemm_release();
 }
 
 // C [m, BN] fp32 (rows BN apart) -> out rows (ld) bf16, the first n columns, plus bias (fp32) if given.
@@ -90,7 +169,7 @@ void row_block(const BFloat16* A, int64_t lda, int64_t m, int64_t K, const BFloa
   for (int64_t g = 0; g < NB; g += GB) {
     const int64_t nb = std::min(GB, NB - g);
     for (int64_t b = 0; b < nb; ++b)
-      cpublas::brgemm(m, BN, K, lda, BN, BN, false, A, W + (g + b) * K * BN, C + b * BM * BN);
+      micro(m, K, A, lda, W + (g + b) * K * BN, C + b * BM * BN);
     for (int64_t r = 0; r < m; ++r) {
       uint16_t* o = out_row(r) + g * BN;
       for (int64_t b = 0; b < nb; ++b) {
@@ -103,8 +182,16 @@ void row_block(const BFloat16* A, int64_t lda, int64_t m, int64_t K, const BFloa
 
 }  // namespace
 
-// Whether this CPU runs the bf16 micro-kernels (AMX); elsewhere callers keep torch's matmul.
-bool gemm_bf16_supported() { return cpublas::could_pack(at::kBFloat16); }
+// Whether this CPU runs the bf16 micro-kernels: oneDNN's, or ours with AVX2 and FMA; elsewhere
+// callers keep torch's matmul. gemm_bf16_onednn: whether they are oneDNN's (torch's bits).
+bool gemm_bf16_supported() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return true;
+#else
+  return onednn_bf16();
+#endif
+}
+bool gemm_bf16_onednn() { return onednn_bf16(); }
 
 // w [N, K] bf16 (K even) -> packed [ceil(N / BN), K, BN] bf16.
 at::Tensor pack_bf16(const at::Tensor& w) {
@@ -133,7 +220,7 @@ static void matmul_rows(const BFloat16* X, int64_t T, int64_t H, int64_t K, int6
         row_block(X + m0 * xr + h * xh, xr, std::min(BM, T - m0), K, W + h * NB * K * BN, NB, N, bias, C.data(),
                   [&](int64_t r) { return O + (m0 + r) * orow + h * oh; });
       }
-      cpublas::brgemm_release();
+      release();
     });
     return;
   }
@@ -142,10 +229,10 @@ static void matmul_rows(const BFloat16* X, int64_t T, int64_t H, int64_t K, int6
     alignas(64) float C[BM * BN];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / (MB * NB), m0 = i / NB % MB * BM, nb = i % NB, n0 = nb * BN, m = std::min(BM, T - m0);
-      cpublas::brgemm(m, BN, K, xr, BN, BN, false, X + m0 * xr + h * xh, W + (h * NB + nb) * K * BN, C);
+      micro(m, K, X + m0 * xr + h * xh, xr, W + (h * NB + nb) * K * BN, C);
       store(C, m, std::min(BN, N - n0), bias ? bias + n0 : nullptr, O + m0 * orow + h * oh + n0, orow);
     }
-    cpublas::brgemm_release();
+    release();
   });
 }
 
@@ -279,8 +366,8 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
       }
       const BFloat16* gate = gu.data_ptr<BFloat16>() + (own ? 0 : e) * 2 * NI * D * BN;
       for (int64_t b = 0; b < NI; ++b) {  // h = act(gate) * up, each step rounded as torch rounds it
-        cpublas::brgemm(m, BN, D, D, BN, BN, false, a, gate + b * D * BN, G);
-        cpublas::brgemm(m, BN, D, D, BN, BN, false, a, gate + (NI + b) * D * BN, U);
+        micro(m, D, a, D, gate + b * D * BN, G);
+        micro(m, D, a, D, gate + (NI + b) * D * BN, U);
         for (int64_t r = 0; r < m; ++r) {
           auto* h = reinterpret_cast<uint16_t*>(&H[r * ld + b * BN]);
 #pragma omp simd
@@ -293,7 +380,7 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
       row_block(H.data(), ld, m, I, dn.data_ptr<BFloat16>() + (own ? 0 : e) * ND * I * BN, ND, D, nullptr, C.data(),
                 [&](int64_t r) { return own ? S + (r0 + r) * D : Y + rows[r0 + r] * D; });
     }
-    cpublas::brgemm_release();
+    release();
   });
   // each token's choices: the product rounded, then summed in order (moe_combine's roundings);
   // with a shared expert, the sum rounded plus scale * its output rounded (torch's bf16 mul and add)

@@ -2,11 +2,13 @@
 run as one matmul.
 
 `linear` is F.linear, except for bf16 on CPUs with the compiled bf16 micro-kernels
-(kernels/gemm/cpu_gemm.cpp: AMX), where torch's matmul builds a oneDNN primitive for every
-new row count (3-6 ms at prefill sizes, and every round has another) and costs 25-50 us at
-decode sizes: there each weight is packed once and multiplied in 4-10 us at decode sizes,
-with the same bits (fp32 sums rounded once to bf16). `Linear` is nn.Linear running `linear`;
-the models build their projections from it.
+(kernels/gemm/cpu_gemm.cpp: oneDNN's with AMX, its own with AVX2). With AMX, torch's matmul
+builds a oneDNN primitive for every new row count (3-6 ms at prefill sizes, and every round
+has another) and costs 25-50 us at decode sizes: there each weight is packed once and
+multiplied in 4-10 us at decode sizes, with the same bits (fp32 sums rounded once to bf16).
+With AVX2 only, torch's bf16 matmul has no vector kernel: the AVX2 micro-kernel is 4-9x
+faster, its outputs within a bf16 step of torch's (fp32 sums in its own order, rounded once).
+`Linear` is nn.Linear running `linear`; the models build their projections from it.
 
 At decode sizes a matmul's fixed cost (dispatch, oneDNN's primitive lookup) outweighs its
 arithmetic: a [64, 256] x [256, 8] bf16 matmul takes about half as long as one with 256

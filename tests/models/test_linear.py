@@ -3,13 +3,13 @@ import pytest
 import torch
 from torch import nn
 
-from models.layers.linear import FUSED, fused_linear, joined
+from models.layers.linear import FUSED, Linear, fused_linear, joined
 from models.layers.mlp import STACKS, GatedMLP, run_experts
 
 
 def linears(outs, dtype, bias=()):
     torch.manual_seed(0)
-    return [nn.Linear(64, n, bias=i in bias).to(dtype) for i, n in enumerate(outs)]
+    return [Linear(64, n, bias=i in bias).to(dtype) for i, n in enumerate(outs)]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
