@@ -21,12 +21,12 @@
 // absorbed query and value projections, models/kimi_linear.py).
 //
 // CPUs without bf16 micro-kernels in oneDNN (AVX2, or AVX-512 without bf16 support: no AMX)
-// run the same drivers over a micro-kernel of our own (`fma_block`): the packed blocks are plain
+// run the same drivers over a micro-kernel of our own (`fma_rows`): the packed blocks are plain
 // [K, BN] bf16 (no VNNI pairs); a call widens its rows and its block to fp32 and sums over K in
 // order with FMAs. Every output is again one fp32 sum in a fixed order rounded once to bf16, the
 // same whichever rows or blocks share the call; that order is not oneDNN's, so an output can
 // differ from torch's bf16 matmul by one bf16 step. torch's own bf16 matmul on such a CPU has no
-// vector kernel and is 10-40x slower than this (benchmarks/gemm.py).
+// vector kernel and takes 4-9x as long (benchmarks/gemm.py).
 //
 // `moe_bf16`: the mixture of experts of models/layers/mlp.py run_experts for gated experts
 // without biases: each (token, choice) row goes to its expert; per block of one expert's rows,
@@ -62,14 +62,14 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BN = 32;  // columns per packed block
 constexpr int64_t BM = 64;  // rows per micro-kernel call
 
-// oneDNN's bf16 micro-kernels run on this CPU (AMX); else fma_block does their work.
+// oneDNN's bf16 micro-kernels run on this CPU (AMX); else fma_rows does their work.
 bool onednn_bf16() {
   static const bool yes = cpublas::could_pack(at::kBFloat16);
   return yes;
 }
 
 // Pack w [N, K] (rows may be strided) into blocks [NB, K, BN] in place at out: in oneDNN's VNNI
-// layout, or plain row-major for fma_block.
+// layout, or plain row-major for fma_rows.
 void pack_into(const BFloat16* w, int64_t ldw, int64_t N, int64_t K, BFloat16* out) {
   const int64_t NB = (N + BN - 1) / BN;
   std::vector<BFloat16> block(K * BN);
