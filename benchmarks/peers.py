@@ -33,6 +33,7 @@ import math
 import os
 import platform
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -229,12 +230,34 @@ def timed_worker(cmd: list[str], log: Path, args) -> tuple[dict, float]:
     return out, others
 
 
+def run_group(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own, whose whole process group is killed when the
+    command ends or this process is interrupted (an exception, or SIGTERM: see main). vLLM's
+    engine processes rename themselves and would otherwise outlive a stopped run, holding
+    gigabytes and CPU under the next measurements."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+    try:
+        out, _ = proc.communicate()
+    finally:
+        kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Kill proc's process group (proc started with start_new_session) and reap proc."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def run_worker(cmd: list[str], log: Path) -> dict:
     """Run one worker process; its JSON line (RuntimeError naming the log when it fails)."""
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, cwd=HERE.parent)
+        proc = run_group(cmd, stdout=subprocess.PIPE, stderr=f, text=True, cwd=HERE.parent)
         f.write(proc.stdout)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
     if proc.returncode != 0 or not lines:
@@ -378,7 +401,7 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
     env = threads_env(args.threads)
     with open(log, "w") as f:
         proc = subprocess.Popen(server_command(engine, row, path, port, args, profile), stdout=f,
-                                stderr=subprocess.STDOUT, env=env, cwd=HERE.parent)
+                                stderr=subprocess.STDOUT, env=env, cwd=HERE.parent, start_new_session=True)
     runs = []
     try:
         wait_up(proc, url, timeout=900, log=log)
@@ -396,12 +419,12 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
             print(f"  {row.label} | {engine} served run {seed + 1}: {runs[-1]['duration']:.2f} s (others' CPU "
                   f"share: {runs[-1]['others_share']:.0%})", flush=True)
     finally:
-        proc.terminate()
+        proc.terminate()  # a clean shutdown first, then whatever of its group is left
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+        kill_group(proc)
     best = min(runs, key=lambda r: r["duration"])
     every = [{k: r[k] for k in ("duration", "others_share")} for r in runs]
     return {k: best[k] for k in (*SERVE_METRICS, "others_share")} | {"runs": every}
@@ -467,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM unwinds: workers' groups are killed
     if args.serve and not args.vllm_python:
         sys.exit(f"--serve needs vLLM (its client is `vllm bench serve`): pass --vllm-python or set ${VLLM_ENV}")
     engines = ENGINES if args.vllm_python else ENGINES[:1]

@@ -1,6 +1,8 @@
 import ast
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -219,3 +221,22 @@ def test_serve_needs_vllm(monkeypatch):
     monkeypatch.delenv(peers.VLLM_ENV, raising=False)
     with pytest.raises(SystemExit, match=peers.VLLM_ENV):
         peers.main(["--serve"])
+
+
+def test_a_worker_leaves_no_process_behind(tmp_path):
+    """A worker's children (vLLM's engine processes) die with it: the worker here starts a
+    grandchild that would sleep for a minute, prints its pid and its JSON line, and exits."""
+    code = ("import subprocess, sys, json; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+            " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(json.dumps({'engine': 'x', 'pid': p.pid}))")
+    out = peers.run_worker([sys.executable, "-c", code], tmp_path / "log")
+    deadline = time.time() + 10
+    while time.time() < deadline and Path(f"/proc/{out['pid']}").exists() and not zombie(out["pid"]):
+        time.sleep(0.05)
+    assert not Path(f"/proc/{out['pid']}").exists() or zombie(out["pid"])
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
