@@ -38,18 +38,11 @@ SHAPES = [(64, 776, 256), (64, 256, 256), (64, 521, 256), (64, 4096, 256),
           (6000, 776, 256), (6000, 256, 256), (6000, 521, 256)]
 
 
-def same_bits(ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    if native.extension().gemm_bf16_onednn():
-        assert torch.equal(ours, theirs), "the paths disagree"
-    else:
-        torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=1e-5, msg="the paths disagree")
-
-
 def row(rows: int, outs: int, ins: int, repeats: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(rows + outs)
     x = torch.randn(rows + repeats + 2, ins, generator=gen).bfloat16()
     w = torch.randn(outs, ins, generator=gen).bfloat16()
-    same_bits(native.linear_bf16(x[:rows], w), F.linear(x[:rows], w))
+    native.assert_torch_bf16_bits(native.linear_bf16(x[:rows], w), F.linear(x[:rows], w))
     ours_rows, torch_rows, pad_rows = itertools.count(rows), itertools.count(rows + 1), itertools.count(rows)
 
     def padded():

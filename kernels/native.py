@@ -337,6 +337,16 @@ def _bf16_gemm_supported(ext) -> bool:
     return bool(ext.gemm_bf16_supported())
 
 
+def assert_torch_bf16_bits(ours: torch.Tensor, torch_out: torch.Tensor) -> None:
+    """The bf16 gemm kernels' contract with torch's bf16 matmul: oneDNN's micro-kernels (AMX)
+    give its bits; the AVX2 ones sum over K in their own order, within one bf16 step of it."""
+    ext = _bf16_gemm()
+    if ext is not None and ext.gemm_bf16_onednn():
+        assert torch.equal(ours, torch_out), "not torch's bits"
+    else:
+        torch.testing.assert_close(ours, torch_out, rtol=2**-7, atol=1e-5)
+
+
 def _packed(key: torch.Tensor, pack, cache: dict | None = None, also: tuple[torch.Tensor, ...] = ()):
     """pack() made once per version of key and of the tensors `also` packed with it (remade when one
     is written in place or replaced), in cache."""

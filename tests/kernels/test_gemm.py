@@ -12,16 +12,6 @@ from models.layers.linear import Linear, linear
 from models.layers.mlp import GatedMLP, run_experts
 
 needs_bf16_gemm = pytest.mark.skipif(native._bf16_gemm() is None, reason="no bf16 micro-kernels on this CPU")
-ONEDNN = native._bf16_gemm() is not None and native.extension().gemm_bf16_onednn()
-
-
-def assert_torch_bits(got: torch.Tensor, want: torch.Tensor) -> None:
-    """oneDNN's micro-kernels (AMX) give torch's bf16 matmul's bits; the AVX2 ones sum over K in
-    their own order: within one bf16 step of torch's."""
-    if ONEDNN:
-        assert torch.equal(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5)
 
 
 @needs_bf16_gemm
@@ -36,7 +26,7 @@ def test_linear_equals_torch_bit_for_bit(rows, outs):
     x = torch.randn(rows, 96, generator=gen).bfloat16()
     got = native.linear_bf16(x, w)
     assert got is not None and got.dtype == torch.bfloat16
-    assert_torch_bits(got, F.linear(x, w))
+    native.assert_torch_bf16_bits(got, F.linear(x, w))
 
 
 @needs_bf16_gemm
@@ -80,8 +70,8 @@ def test_linear_bias_strided_weight_and_batch_dims():
     got = linear(x, w, b)
     want = (F.linear(x.float(), w.float()) + b.float()).bfloat16()
     assert got.shape == (3, 7, 40)
-    assert_torch_bits(got, want)
-    assert_torch_bits(linear(x, w), F.linear(x, w))
+    native.assert_torch_bf16_bits(got, want)
+    native.assert_torch_bf16_bits(linear(x, w), F.linear(x, w))
     x = torch.randn(700, 64, generator=gen).bfloat16()  # prefill size: whole row blocks per thread
     got = linear(x, w, b)
     assert torch.equal(got, torch.cat([linear(x[i : i + 64], w, b) for i in range(0, 700, 64)]))
@@ -99,7 +89,7 @@ def test_linear_reads_a_column_range_in_place(rows):
     x = wide[:, 100:164]
     assert x.stride() == (200, 1)
     assert torch.equal(native.linear_bf16(x, w), native.linear_bf16(x.contiguous(), w))
-    assert_torch_bits(native.linear_bf16(x, w), F.linear(x.contiguous(), w))
+    native.assert_torch_bf16_bits(native.linear_bf16(x, w), F.linear(x.contiguous(), w))
 
 
 @needs_bf16_gemm
@@ -116,13 +106,13 @@ def test_heads_equal_torch_einsum_bit_for_bit(tokens):
     w_uk = w[:, :k]  # [H, K, N]: the weight of head h is w_uk[h]^T
     out = torch.full((tokens, h, n + 32), 7.0).bfloat16()
     assert native.heads_bf16(q, w_uk.transpose(1, 2), out[..., :n], w, "test_heads")
-    assert_torch_bits(out[..., :n], torch.einsum("thk,hkn->thn", q, w_uk))
+    native.assert_torch_bf16_bits(out[..., :n], torch.einsum("thk,hkn->thn", q, w_uk))
     assert bool((out[..., n:] == 7).all())
     w_uv = w[:, k:]  # [H, 64, N]: a second view of the same parameter, its own pack
     o = torch.randn(tokens, h, n, generator=gen).bfloat16()
     got = torch.empty(tokens, h, 64).bfloat16()
     assert native.heads_bf16(o, w_uv, got, w, "test_heads_uv")
-    assert_torch_bits(got, torch.einsum("thn,hvn->thv", o, w_uv))
+    native.assert_torch_bf16_bits(got, torch.einsum("thn,hvn->thv", o, w_uv))
     assert not native.heads_bf16(q.float(), w_uk.float().transpose(1, 2), out.float()[..., :n])  # fp32: torch's
 
 
@@ -146,11 +136,11 @@ def test_packed_weight_follows_changed_weights():
     with torch.no_grad():
         first = layer(x)
         layer.weight.mul_(2)
-        assert_torch_bits(layer(x), F.linear(x, layer.weight))
+        native.assert_torch_bf16_bits(layer(x), F.linear(x, layer.weight))
         assert not torch.equal(layer(x), first)
         layer.to(torch.float32).to(torch.bfloat16)
         layer.weight.copy_(torch.ones_like(layer.weight))
-        assert_torch_bits(layer(x), F.linear(x, layer.weight))
+        native.assert_torch_bf16_bits(layer(x), F.linear(x, layer.weight))
 
 
 def experts_and_routing(tokens: int, seed: int = 0):
