@@ -61,18 +61,25 @@ class CacheManager:
         return True
 
     def adopt(self, req: Req, m: MatchResult) -> None:
-        """Resume req at m.state_len: copy the checkpoint in, use the tree's pages below it."""
+        """Resume req at m.state_len: use the tree's pages below it, and its checkpoint, which
+        `restore` copies into req's slot once req runs. A request waiting on a leader adopts each
+        deeper checkpoint the leader writes; only the last one is copied. The lock on m.node pins it."""
         if req.node is None:
             self.cache.lock(m.node)
         else:
             self.cache.relock(req.node, m.node)
         req.node = m.node
-        if m.checkpoint is not None:
-            self.cache.restore(m.checkpoint, req.active_slot)
+        req.restore_from = m.checkpoint
         stale = [p for p, t in zip(req.kv_pages, m.pages) if p != t]  # ours, superseded by the tree's
         self.kv.free(stale)
         req.kv_pages = list(m.pages) + req.kv_pages[len(m.pages):]
         req.prefix_len = req.extend_end = m.state_len
+
+    def restore(self, req: Req) -> None:
+        """Copy the checkpoint req adopted into its slot (before a round computes from it)."""
+        if req.restore_from is not None:
+            self.cache.restore(req.restore_from, req.active_slot)
+            req.restore_from = None
 
     def ensure_pages(self, req: Req, tokens: int) -> bool:
         """Pages for the first `tokens` positions of req (evicting cached ones); False if not enough."""
@@ -150,7 +157,7 @@ class CacheManager:
             self.cache.drop_checkpoints(req.token_ids(max(req.transient_ckpts)), req.transient_ckpts, below=req.node)
             req.transient_ckpts = []
         self.states.free(req.state_slot)
-        req.state_slot, req.node, req.kv_pages, req.rolling_ckpt = None, None, [], None
+        req.state_slot, req.node, req.kv_pages, req.rolling_ckpt, req.restore_from = None, None, [], None, None
 
     def cache_pages(self, req: Req) -> int:
         """How many of req's pages (a prefix of its page table) the tree owns."""

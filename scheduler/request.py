@@ -41,6 +41,7 @@ class Req:
     node: Any = None  # the cache node this request holds a lock on
     branch_pos: int = 0
     share_points: set[int] = field(default_factory=set)  # where requests waiting on this one part from it
+    restore_from: Any = None  # the adopted checkpoint not yet copied into state_slot (copied when it next runs)
     rolling_ckpt: Any = None  # (pos, slot) of the latest decode checkpoint not yet in the tree
     transient_ckpts: list[int] = field(default_factory=list)  # chunk-end checkpoint positions to drop at finish
     inflight_middle_chunks: int = 0

@@ -138,6 +138,8 @@ class Scheduler:
             chunks, rows = self._place(self.policy.plan([], decodes, now))
         if not chunks and not rows:
             return None
+        for c in chunks:
+            self.cache_manager.restore(c.req)
         self.policy.scheduled(bool(chunks))
         shape = BatchShape([(c.start, c.end - c.start) for c in chunks], [r.prefix_len for r in rows])
         batch = Batch(chunks, rows, shape, self.cost.step_time(shape), self._copy_time())

@@ -222,6 +222,21 @@ def test_a_burst_sharing_a_prefix_computes_it_once(shared_len):
             assert s.counters["prefill_tokens"] == k * (shared_len + own)
 
 
+def test_a_waiting_request_copies_one_checkpoint():
+    """Requests waiting on a leader adopt each deeper checkpoint it writes (1024 shared tokens, in
+    256-token rounds), but one copy into each slot is made, of the checkpoint they resume from,
+    when they run: no copy is made for a checkpoint that a deeper one replaces before it runs."""
+    s, ex = make("tokens", token_budget=256)
+    copies = []
+    restore = s.cache.restore
+    s.cache.restore = lambda ckpt, slot: (copies.append((ckpt.pos, slot)), restore(ckpt, slot))
+    system, k = prompt(1, 1024), 4
+    reqs = [req(f"r{i}", system + prompt(10 + i, 100)) for i in range(k)]
+    run(s, ex, reqs, on_round=lambda sc: sc.check_integrity())
+    assert all(r.finished for r in reqs) and s.counters["shared_waits"] > k
+    assert sorted(pos for pos, _ in copies) == [1024] * (k - 1)
+
+
 def test_requests_that_part_early_do_not_wait():
     """Requests whose first G tokens differ share nothing worth waiting for: all are planned."""
     s, ex = make("serial", target_step=0.5)
