@@ -7,6 +7,7 @@ from torch import nn
 
 import kernels
 from kernels import native
+from kernels.attention import PAD_PAGE
 from kernels.kda import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
@@ -108,11 +109,41 @@ class MLAttention(nn.Module):
         lora = not hasattr(self, "q_proj")
         q, kv = fused_linear(x, self.q_a_proj if lora else self.q_proj, self.kv_a_proj_with_mqa)
         q = self.q_b_proj(self.q_a_layernorm(q)) if lora else q
-        q_nope, q_rope = q.reshape(t, self.h, -1).split([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
+        q = q.reshape(t, self.h, -1)  # [T, H, nope + rope]
         c, k_rope = kv.split([self.r, self.rope], -1)
         latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
         store_kv(batch, cache, None, latent[:, None])
+        long = self.expanded_segments(batch)
+        if long is None:
+            return self.o_proj(self.absorbed(q, cache, batch.page_table, batch.cu_seqlens, batch.seq_lens))
+        out = q.new_empty(t, self.h * self.vd)
+        for segs, form in ((long.nonzero().flatten(), self.expanded), ((~long).nonzero().flatten(), self.absorbed)):
+            if segs.numel():
+                rows, cu = segment_rows(batch.cu_seqlens, segs)
+                out[rows] = form(q[rows], cache, batch.page_table[segs], cu, batch.seq_lens[segs])
+        return self.o_proj(out)
+
+    def expanded_segments(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Which segments attend in expanded form ([N] bool), or None for none: the prefill
+        segments with enough queries to pay for it, on CPU, without context parallelism. Per key, absorbed
+        attention costs H (2r + rope) multiply-adds a query, expanded H (nope + rope + v) plus H r
+        (nope + v) once to expand it, so expanding pays from r (nope + v) / (2r - nope - v)
+        queries a sequence (128 for the built-in model, 171 for Kimi-Linear-48B). Decode rows stay
+        absorbed."""
+        saved = 2 * self.r - self.nope - self.vd
+        if batch.cp is not None or batch.input_ids.device.type != "cpu" or not batch.num_prefills or saved <= 0:
+            return None
+        lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+        long = lens >= self.r * (self.nope + self.vd) / saved
+        long[batch.num_prefills:] = False
+        return long if bool(long.any()) else None
+
+    def absorbed(self, q, cache, page_table, cu_seqlens, seq_lens) -> torch.Tensor:
+        """Attention in the latent space: the queries absorbed into it, the latent as values, the
+        value up-projection after. q [T, H, nope + rope] -> [T, H * v]."""
+        t = q.shape[0]
+        q_nope, q_rope = q.split([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
         w = self.kv_b_proj.weight
         w_uk, w_uv = w.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
         # the absorbed products per head: bf16 on CPU through the packed micro-kernels (docs/kernels.md:
@@ -121,13 +152,36 @@ class MLAttention(nn.Module):
         if not native.heads_bf16(q_nope, w_uk.transpose(1, 2), q_att[..., : self.r], w, "w_uk"):
             q_att[..., : self.r] = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q_att[..., self.r :] = q_rope
-        attn = kernels.get("attention", x.device)
-        o = attn(q_att, cache, None, batch.page_table, batch.cu_seqlens, batch.seq_lens, self.scale,
-                 v_dim=self.r)  # [T, H, r]
+        attn = kernels.get("attention", q.device)
+        o = attn(q_att, cache, None, page_table, cu_seqlens, seq_lens, self.scale, v_dim=self.r)  # [T, H, r]
         out = o.new_empty(t, self.h, self.vd)  # [T, H, v]
         if not native.heads_bf16(o, w_uv, out, w, "w_uv"):
             out = torch.einsum("thr,hvr->thv", o, w_uv)
-        return self.o_proj(out.reshape(t, -1))
+        return out.reshape(t, -1)
+
+    def expanded(self, q, cache, page_table, cu_seqlens, seq_lens) -> torch.Tensor:
+        """Attention with per-head keys and values: the latents of the pages the sequences read
+        (each page once, however many sequences share it) up-projected into keys [k_nope | k_rope]
+        and values, as the reference attention computes them. q [T, H, nope + rope] -> [T, H * v]."""
+        page = cache.shape[1]
+        used = torch.arange(page_table.shape[1], device=q.device) < (seq_lens[:, None] + page - 1) // page
+        pages, local = page_table[used].unique(return_inverse=True)
+        lat = cache.index_select(0, pages).view(-1, self.r + self.rope)  # [U * page, r + rope]
+        kv = self.kv_b_proj(lat[:, : self.r]).view(len(pages), page, self.h, self.nope + self.vd)
+        k = torch.cat([kv[..., : self.nope], lat[:, None, self.r :].expand(-1, self.h, -1).view(
+            len(pages), page, self.h, self.rope)], -1)  # [U, page, H, nope + rope]
+        v = kv[..., self.nope :].contiguous()  # [U, page, H, v]
+        table = torch.full_like(page_table, PAD_PAGE)
+        table[used] = local
+        attn = kernels.get("attention", q.device)
+        return attn(q.contiguous(), k, v, table, cu_seqlens, seq_lens, self.scale).reshape(q.shape[0], -1)
+
+
+def segment_rows(cu_seqlens: torch.Tensor, segs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed rows of segments `segs` (in order) and their own cu_seqlens."""
+    starts, lens = cu_seqlens[segs], cu_seqlens[segs + 1] - cu_seqlens[segs]
+    cu = F.pad(lens.cumsum(0), (1, 0))
+    return torch.repeat_interleave(starts - cu[:-1], lens) + torch.arange(int(cu[-1]), device=cu.device), cu
 
 
 class KimiExpert(nn.Module):

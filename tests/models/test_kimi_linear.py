@@ -1,7 +1,8 @@
 import pytest
+import torch
 
 from tests.models import harness
-from tests.utils import import_torch_reference
+from tests.utils import import_torch_reference, rel_err
 
 hf_mod = import_torch_reference("transformers.models.kimi_linear.modeling_kimi_linear")
 from transformers import KimiLinearConfig  # noqa: E402
@@ -35,3 +36,30 @@ def model(request, tmp_path_factory):
 def test_kimi_linear_matches_transformers(model, check):
     """Our Kimi Linear forward over paged KV/state slots equals transformers' (fp32, rel err < 1e-4)."""
     check(*model)
+
+
+def test_mla_prefill_attends_in_expanded_form_where_it_saves_work(model, monkeypatch):
+    """Prefill segments of at least r (nope + v) / (2r - nope - v) queries (32 here) attend with
+    per-head keys and values up-projected from the cached latents, the rest (short chunks,
+    decode rows) in the latent space; both forms give the same logits (fp32)."""
+    from models.kimi_linear import MLAttention
+
+    _, path, vocab = model
+    picked = []
+    rule = MLAttention.expanded_segments
+    monkeypatch.setattr(MLAttention, "expanded_segments",
+                        lambda self, b: picked.append(None if (s := rule(self, b)) is None else s.tolist()) or s)
+    a, b, c = harness.prompt(vocab, 90, 4), harness.prompt(vocab, 31, 5), harness.prompt(vocab, 41, 6)
+
+    def logits():
+        run = harness.PagedRunner(path)
+        sa, sb, sc = run.new_seq(), run.new_seq(), run.new_seq()
+        run.step([(sa, a[:50]), (sc, c[:-1])])
+        return torch.cat(run.step([(sa, a[50:]), (sb, b), (sc, c[-1:])], all_logits=True))
+
+    expanded = logits()
+    layers = len(picked) // 2
+    assert picked[:layers] == [[True, True]] * layers  # 50 and 40 queries
+    assert picked[layers:] == [[True, False, False]] * layers  # 40, 31 queries, a decode row
+    monkeypatch.setattr(MLAttention, "expanded_segments", lambda self, b: None)
+    assert rel_err(expanded, logits()) < 1e-5
