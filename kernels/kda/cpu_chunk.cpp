@@ -33,7 +33,8 @@ inline float exp_floor(float x) { return std::exp(std::max(x, -87.f)); }
 
 constexpr int64_t CHUNK = 64;
 constexpr int64_t BLK = 16;  // rows per block of the forward substitution
-constexpr int64_t PBLK = 8;  // rows per block of KDA's pair matrices (two halves of 4 inside, see pairs())
+constexpr int64_t PBLK = 8;   // rows per diagonal block of KDA's pair matrices (two halves of 4 inside, see pairs())
+constexpr int64_t SBLK = 16;  // rows per product below the diagonal blocks (two of them)
 
 
 struct Sizes {
@@ -49,7 +50,7 @@ struct Scratch {
   explicit Scratch(const Sizes& s)
       : k(CHUNK * s.K), q(CHUNK * s.K), kq(2 * CHUNK * s.K), G(CHUNK * s.gK), kout(CHUNK * s.K),
         A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * (s.V + s.K)),
-        e(std::max(s.K, CHUNK)), R(2 * PBLK * s.K), C(CHUNK * s.K), D(3 * PBLK / 2 * s.K) {}
+        e(std::max(s.K, CHUNK)), R(2 * SBLK * s.K), C(s.K * CHUNK), D(3 * PBLK * s.K) {}
 };
 
 template <typename T>
@@ -66,10 +67,11 @@ struct Inputs {
 //     exp(G_i - G_j) = x_i / x_j,  x = exp(G - G_m)
 //   second half's rows against the first half's columns, split at the first half's last token r:
 //     exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j), both <= 1
-//   below the diagonal block [b0, b1), columns j < b0, split at token b0 - 1 the same way: one
-//   matmul of scaled rows. Those columns, C_j = k_j exp(G_{b0-1} - G_j), are carried from block
-//   to block: the older ones times exp(G_{b0-1} - G_{b0-1-PBLK}) (per channel, <= 1), the
-//   previous block's keys computed anew.
+//   the second diagonal block of each SBLK rows against the first, split at token b0 - 1 the same way
+//   below the SBLK rows [b0, b1), columns j < b0, split at token b0 - 1 the same way: one product
+//   of scaled rows. Those columns, C_j = k_j exp(G_{b0-1} - G_j), are carried from block to
+//   block: the older ones times exp(G_{b0-1} - G_{b0-1-SBLK}) (per channel, <= 1), the previous
+//   SBLK keys computed anew.
 // A factor that underflows leaves a product below fp32 resolution (both factors are <= 1).
 
 // rows [r0, r1) x columns [c0, c1) of A_kk and A_qk (pairs j <= i only) from scaled key and query
@@ -112,11 +114,43 @@ void scaled(const Sizes& s, const float* k, const float* q, const float* G, cons
     }
 }
 
+// P [M, N] = alpha A [M, K] (rows K apart) C [K, N] (rows CHUNK apart, N a multiple of 16), P's
+// rows CHUNK apart: RB rows by 16 columns at a time, their sums held in registers over K (MKL's
+// sgemm took 2.5x as long on these few-row products)
+template <int RB>
+void rows_times(const float* A, int64_t K, const float* C, int64_t N, float alpha, float* P) {
+  for (int64_t j0 = 0; j0 < N; j0 += 16) {
+    float acc[RB][16] = {};
+    for (int64_t d = 0; d < K; ++d) {
+      const float* c = C + d * CHUNK + j0;
+      for (int r = 0; r < RB; ++r) {
+        const float a = A[r * K + d];
+#pragma omp simd
+        for (int jj = 0; jj < 16; ++jj) acc[r][jj] += a * c[jj];
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+#pragma omp simd
+      for (int jj = 0; jj < 16; ++jj) P[r * CHUNK + j0 + jj] = alpha * acc[r][jj];
+  }
+}
+
+void times_columns(const float* A, int64_t M, int64_t K, const float* C, int64_t N, float alpha, float* P) {
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4) rows_times<4>(A + i * K, K, C, N, alpha, P + i * CHUNK);
+  switch (M - i) {
+    case 3: rows_times<3>(A + i * K, K, C, N, alpha, P + i * CHUNK); break;
+    case 2: rows_times<2>(A + i * K, K, C, N, alpha, P + i * CHUNK); break;
+    case 1: rows_times<1>(A + i * K, K, C, N, alpha, P + i * CHUNK); break;
+    default: break;
+  }
+}
+
 void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64_t c, Scratch& w) {
   const int64_t K = s.K, HALF = PBLK / 2;
   float *A_kk = w.A.data(), *A_qk = w.A.data() + c * CHUNK, *R = w.R.data(), *C = w.C.data();
-  float *kr = w.D.data(), *qr = kr + HALF * K, *kc = qr + HALF * K, *e = w.e.data();
-  for (int64_t b0 = 0; b0 < c; b0 += PBLK) {
+  float *kr = w.D.data(), *qr = kr + PBLK * K, *kc = qr + PBLK * K, *e = w.e.data();
+  for (int64_t b0 = 0; b0 < c; b0 += PBLK) {  // the diagonal blocks
     const int64_t b1 = std::min(c, b0 + PBLK), n = b1 - b0;
     for (int64_t a0 = b0; a0 < b1; a0 += HALF) {  // the halves: x = exp(G - G_m), pairs x_i / x_j
       const int64_t a1 = std::min(b1, a0 + HALF);
@@ -132,20 +166,31 @@ void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64
       columns(s, k, G, Gr, b0, r, kc);
       dots(s, kr, qr, kc, r, b1, b0, r, A_kk, A_qk);
     }
-    if (!b0) continue;
-    const float* Gs = G + (b0 - 1) * K;
-    if (b0 > PBLK) {  // carried columns: decay them from token b0 - 1 - PBLK on to b0 - 1
-      const float* Gp = G + (b0 - 1 - PBLK) * K;
-#pragma omp simd
-      for (int64_t d = 0; d < K; ++d) e[d] = exp_floor(Gs[d] - Gp[d]);
-      for (int64_t j = 0; j < b0 - PBLK; ++j)
-#pragma omp simd
-        for (int64_t d = 0; d < K; ++d) C[j * K + d] *= e[d];
+    if (b0 % SBLK) {  // against the diagonal block before it in its SBLK rows, split at token b0 - 1
+      const float* Gs = G + (b0 - 1) * K;
+      scaled(s, k, q, G, Gs, b0, b1, kr, qr);
+      columns(s, k, G, Gs, b0 - PBLK, b0, kc);
+      dots(s, kr, qr, kc, b0, b1, b0 - PBLK, b0, A_kk, A_qk);
     }
-    columns(s, k, G, Gs, b0 - PBLK, b0, C + (b0 - PBLK) * K);  // the previous block's keys
+  }
+  for (int64_t b0 = SBLK; b0 < c; b0 += SBLK) {  // rows [b0, b1) against every column before b0, split at b0 - 1
+    const int64_t b1 = std::min(c, b0 + SBLK), n = b1 - b0;
+    const float* Gs = G + (b0 - 1) * K;
+    if (b0 > SBLK) {  // carried columns: decay them from token b0 - 1 - SBLK on to b0 - 1
+      const float* Gp = G + (b0 - 1 - SBLK) * K;
+      for (int64_t d = 0; d < K; ++d) {
+        const float f = exp_floor(Gs[d] - Gp[d]);
+#pragma omp simd
+        for (int64_t j = 0; j < b0 - SBLK; ++j) C[d * CHUNK + j] *= f;
+      }
+    }
+    for (int64_t j = b0 - SBLK; j < b0; ++j) {  // the previous SBLK keys, as columns of C [K, CHUNK]
+      columns(s, k, G, Gs, j, j + 1, e);
+      for (int64_t d = 0; d < K; ++d) C[d * CHUNK + j] = e[d];
+    }
     scaled(s, k, q, G, Gs, b0, b1, R, R + n * K);  // R: k rows then q rows, decayed to token b0 - 1
-    mm(false, true, n, b0, K, 1.f, R, K, C, K, 0.f, A_kk + b0 * CHUNK, CHUNK);
-    mm(false, true, n, b0, K, s.scale, R + n * K, K, C, K, 0.f, A_qk + b0 * CHUNK, CHUNK);
+    times_columns(R, n, K, C, b0, 1.f, A_kk + b0 * CHUNK);
+    times_columns(R + n * K, n, K, C, b0, s.scale, A_qk + b0 * CHUNK);
   }
 }
 
