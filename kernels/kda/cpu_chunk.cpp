@@ -146,6 +146,17 @@ void times_columns(const float* A, int64_t M, int64_t K, const float* C, int64_t
   }
 }
 
+// rows [r0, r1) against columns [c0, r0) (at most PBLK of each), the decay split at token r0 - 1:
+// exp(G_i - G_j) = exp(G_i - G_{r0-1}) exp(G_{r0-1} - G_j), both <= 1
+void split(const Sizes& s, const float* k, const float* q, const float* G, int64_t r0, int64_t r1, int64_t c0,
+           Scratch& w, float* A_kk, float* A_qk) {
+  float *kr = w.D.data(), *qr = kr + PBLK * s.K, *kc = qr + PBLK * s.K;
+  const float* Gs = G + (r0 - 1) * s.K;
+  scaled(s, k, q, G, Gs, r0, r1, kr, qr);
+  columns(s, k, G, Gs, c0, r0, kc);
+  dots(s, kr, qr, kc, r0, r1, c0, r0, A_kk, A_qk);
+}
+
 void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64_t c, Scratch& w) {
   const int64_t K = s.K, HALF = PBLK / 2;
   float *A_kk = w.A.data(), *A_qk = w.A.data() + c * CHUNK, *R = w.R.data(), *C = w.C.data();
@@ -159,19 +170,8 @@ void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64
       columns(s, k, G, Gm, a0, a1, kc);
       dots(s, kr, qr, kc, a0, a1, a0, a1, A_kk, A_qk);
     }
-    if (n > HALF) {  // second half's rows against the first half's columns, split at token b0 + HALF - 1
-      const int64_t r = b0 + HALF;
-      const float* Gr = G + (r - 1) * K;
-      scaled(s, k, q, G, Gr, r, b1, kr, qr);
-      columns(s, k, G, Gr, b0, r, kc);
-      dots(s, kr, qr, kc, r, b1, b0, r, A_kk, A_qk);
-    }
-    if (b0 % SBLK) {  // against the diagonal block before it in its SBLK rows, split at token b0 - 1
-      const float* Gs = G + (b0 - 1) * K;
-      scaled(s, k, q, G, Gs, b0, b1, kr, qr);
-      columns(s, k, G, Gs, b0 - PBLK, b0, kc);
-      dots(s, kr, qr, kc, b0, b1, b0 - PBLK, b0, A_kk, A_qk);
-    }
+    if (n > HALF) split(s, k, q, G, b0 + HALF, b1, b0, w, A_kk, A_qk);  // second half against the first
+    if (b0 % SBLK) split(s, k, q, G, b0, b1, b0 - PBLK, w, A_kk, A_qk);  // against the previous diagonal block
   }
   for (int64_t b0 = SBLK; b0 < c; b0 += SBLK) {  // rows [b0, b1) against every column before b0, split at b0 - 1
     const int64_t b1 = std::min(c, b0 + SBLK), n = b1 - b0;
