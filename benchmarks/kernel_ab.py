@@ -11,7 +11,8 @@ revision out into a temporary worktree and builds its module there (a few minute
 revision: the build is cached like any other); `--old` loads a module built before.
 
 The cases are the decode-step and prefill kernels at the peer benchmark's sizes (64 sequences
-of 1,024 shared + 320 own keys; the built-in Kimi model's and Qwen3-Next's layer shapes).
+of 1,024 shared + 320 own keys; prefill steps of 256-query segments over the 1,024 shared keys,
+alone or beside decode rows; the built-in Kimi model's and Qwen3-Next's layer shapes).
 Each prints both times, new / old, and the largest difference between the outputs (0: the same
 bits). A case the old module cannot run (a kernel it does not have, or another signature) is
 listed as skipped with the reason.
@@ -52,6 +53,27 @@ def decode_case(layout: str, dtype: torch.dtype, shared: int, own: int, page: in
         return torch.randn(n, h, dk, generator=gen).to(dtype), kc, vc, table, torch.full((n,), shared + own)
 
     return inputs, lambda ext, q, kc, vc, table, lens: ext.paged_decode(q, kc, vc, table, lens, 0.1, dv), ()
+
+
+def prefill_case(layout: str, dtype: torch.dtype, prefills: int, decodes: int, shared: int = 1024, own: int = 256,
+                 page: int = 64) -> Case:
+    """A mixed step as the engine runs it: `prefills` segments of `own` queries and `decodes` decode
+    rows, every sequence past the same `shared` cached keys (its first pages shared)."""
+    h, hkv, dk, dv = (4, 4, 96, 64) if layout == "mla-expanded" else (4, 2, 64, 64)
+    n = prefills + decodes
+
+    def inputs(gen):
+        width = (shared + own + 64 + page - 1) // page
+        kc = torch.randn(n * width + 1, page, hkv, dk, generator=gen).to(dtype)
+        vc = torch.randn(n * width + 1, page, hkv, dv, generator=gen).to(dtype)
+        table = torch.arange(n * width).view(n, width) + 1
+        table[:, : shared // page] = torch.arange(shared // page)
+        q_lens = torch.tensor([own] * prefills + [1] * decodes)
+        lens = torch.tensor([shared + own] * prefills + [shared + own + 32] * decodes)
+        cu = torch.nn.functional.pad(q_lens.cumsum(0), (1, 0))
+        return torch.randn(int(cu[-1]), h, dk, generator=gen).to(dtype), kc, vc, table, cu, lens
+
+    return inputs, lambda ext, q, kc, vc, table, cu, lens: ext.paged_prefill(q, kc, vc, table, cu, lens, 0.1, dv), ()
 
 
 def conv_case(dtype: torch.dtype, channels: int, n: int = 64, width: int = 4) -> Case:
@@ -98,6 +120,9 @@ CASES: dict[str, Case] = {
     "decode mla bf16 0+320": decode_case("mla", torch.bfloat16, 0, 320),
     "decode gqa bf16 1024+320": decode_case("gqa", torch.bfloat16, 1024, 320),
     "decode gqa fp32 0+320": decode_case("gqa", torch.float32, 0, 320),
+    "prefill gqa bf16 8x256 + 56 decode": prefill_case("gqa", torch.bfloat16, 8, 56),
+    "prefill gqa bf16 16x256": prefill_case("gqa", torch.bfloat16, 16, 0),
+    "prefill mla-expanded bf16 16x256": prefill_case("mla-expanded", torch.bfloat16, 16, 0),
     "conv_step bf16 768": conv_case(torch.bfloat16, 768),
     "conv_step fp32 768": conv_case(torch.float32, 768),
     "delta_step kda": delta_case("kda"),

@@ -11,6 +11,7 @@
 #include "../matmul.h"
 #include "../reduce.h"
 #include "../widen.h"
+#include "shared_pages.h"
 
 #include <algorithm>
 #include <bit>
@@ -47,18 +48,6 @@ inline void softmax_block(float* p, int64_t ld, int64_t rows, int64_t n, float* 
   for (int64_t r = 0; r < rows; ++r) online_softmax_row(p + r * ld, n, m[r], l[r], acc + r * Dv, Dv);
 }
 
-// Leading pages that every sequence's page table shares and that hold keys of every sequence only
-// (a prefix cached once and read by all: a shared system prompt, the common turns of a chat).
-int64_t shared_pages(const int64_t* pages, int64_t width, const int64_t* lens, int64_t N, int64_t page_size) {
-  if (N < 2) return 0;
-  const int64_t shortest = *std::min_element(lens, lens + N);
-  int64_t c = 0;
-  for (; c < width && (c + 1) * page_size <= shortest; ++c)
-    for (int64_t n = 1; n < N; ++n)
-      if (pages[n * width + c] != pages[c]) return c;
-  return c;
-}
-
 constexpr int64_t SHARED_ROWS = 64;  // query rows (sequences x R) per job over the shared pages
 constexpr int64_t KEYS = 256;         // a sequence's own keys per step (whole pages, at least one)
 
@@ -90,7 +79,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   const int64_t ldv = latent ? Dk : Dv;  // row stride of the fp32 value rows
   std::vector<float> m(N * H, -1e30f), l(N * H, 0.f);  // -1e30: finite, built with -ffast-math
   std::fill(op, op + N * H * Dv, 0.f);
-  const int64_t shared = shared_pages(pp, width, lp, N, page_size);
+  const int64_t shared = N > 1 ? shared_pages(pp, width, lp, N, page_size) : 0;
   const int64_t block = std::max(page_size, KEYS / page_size * page_size);  // own keys per step
   const int64_t seqs = std::max<int64_t>(1, SHARED_ROWS / R), blocks = (N + seqs - 1) / seqs;
   const int64_t J1 = shared ? Hkv * blocks : 0, J2 = N * Hkv;

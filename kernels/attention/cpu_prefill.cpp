@@ -5,6 +5,8 @@
 // blocks are read from the pages into fp32 rows and the block's softmax runs online (running
 // max and sum per row, the accumulator rescaled), so no [queries, keys] score matrix is kept.
 // The score and value products go through mm (matmul.h). fp32 throughout; o is fp32.
+// Pages cached before the queries of every sequence and shared by all of them (shared_pages.h)
+// run first, for the whole batch at once (prefill_shared): there every query sees every key.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -12,6 +14,7 @@
 #include "../denormal.h"
 #include "../reduce.h"
 #include "../widen.h"
+#include "shared_pages.h"
 
 #include <algorithm>
 #include <map>
@@ -27,6 +30,7 @@
 namespace {
 
 constexpr int64_t QB = 64, KB = 256;  // queries per job block, keys per step
+constexpr int64_t SQ = 256;           // query rows per job over the shared pages
 
 
 struct Job {
@@ -68,14 +72,27 @@ struct Paged {
   }
 };
 
-// A job's key positions (pos[i]: query i's) and a fresh online softmax for its M rows.
+// A job's key positions (pos[i]: query i's) and its M rows' online softmax: fresh, or where the
+// shared pages ran first (ms, ls: running max and sum per (token, head); the accumulators in o),
+// carried on from there.
 void start_job(const Job& job, const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, int64_t M,
-               int64_t Dv, int64_t* pos, float* acc, float* m, float* l) {
+               int64_t R, int64_t H, int64_t Dv, const float* ms, const float* ls, const float* op, int64_t* pos,
+               float* acc, float* m, float* l) {
   const int64_t first = lens[job.n] - (cu[job.n + 1] - cu[job.n]) + job.q0;  // cached keys before the block
   for (int64_t i = 0; i < job.rows; ++i) pos[i] = first + i;
-  std::fill(acc, acc + M * Dv, 0.f);
-  std::fill(m, m + M, -1e30f);  // finite: built with -ffast-math
-  std::fill(l, l + M, 0.f);
+  if (!ms) {
+    std::fill(acc, acc + M * Dv, 0.f);
+    std::fill(m, m + M, -1e30f);  // finite: built with -ffast-math
+    std::fill(l, l + M, 0.f);
+    return;
+  }
+  for (int64_t r = 0; r < R; ++r)  // row r * rows + i: query i of head g * R + r
+    for (int64_t i = 0; i < job.rows; ++i) {
+      const int64_t at = (cu[job.n] + job.q0 + i) * H + job.g * R + r, row = r * job.rows + i;
+      m[row] = ms[at];
+      l[row] = ls[at];
+      std::copy(op + at * Dv, op + (at + 1) * Dv, acc + row * Dv);
+    }
 }
 
 // The online softmax of M query rows (row r * rows + i: query i, at key position pos[i]) over
@@ -104,25 +121,83 @@ void finish(const float* acc, const float* l, int64_t R, int64_t rows, int64_t D
     }
 }
 
+// The key rows k0 .. k0 + kb - 1 of sequence n, KV head g, from their pages as fp32 rows
+template <typename T>
+void widen_keys(const Paged<T>& P, int64_t n, int64_t g, int64_t k0, int64_t kb, int64_t Dv, float* K, float* V) {
+  for (int64_t t = 0; t < kb; ++t) {
+    const T* ks = P.key(n, g, k0 + t);
+    const T* vs = P.value(n, g, k0 + t);
+    for (int64_t d = 0; d < P.Dk; ++d) K[t * P.Dk + d] = as_float(ks[d]);
+    for (int64_t d = 0; d < Dv; ++d) V[t * Dv + d] = as_float(vs[d]);
+  }
+}
+
+inline int64_t shared_tokens(int64_t R) { return std::max<int64_t>(1, SQ / R); }  // per prefill_shared job
+
+// The first `shared` keys (whole pages every sequence shares, before any of its queries) for
+// every query: one job per (KV head, block of SQ query rows of the whole batch), each key block
+// widened once for the block and multiplied with all its rows (no mask: every query sees these
+// keys). Leaves each (token, head)'s running max and sum in ms, ls and its accumulator in o.
+template <typename T>
+void prefill_shared(const Paged<T>& P, int64_t T_, int64_t shared, float scale, int64_t Dv, float* ms, float* ls,
+                    float* op, float* Q, float* K, float* V, float* S, float* acc, float* m, float* l) {
+  const int64_t H = P.H, Dk = P.Dk, R = P.R, tokens = shared_tokens(R);
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t job = 0; job < P.Hkv * ((T_ + tokens - 1) / tokens); ++job) {
+    const int64_t g = job % P.Hkv, t0 = job / P.Hkv * tokens, t1 = std::min(T_, t0 + tokens), M = (t1 - t0) * R;
+    for (int64_t t = t0; t < t1; ++t) {  // row (t - t0) * R + r: token t, head g * R + r
+      const T* src = P.query(t, g * R);
+      float* dst = Q + (t - t0) * R * Dk;
+      for (int64_t d = 0; d < R * Dk; ++d) dst[d] = as_float(src[d]) * scale;
+    }
+    std::fill(acc, acc + M * Dv, 0.f);
+    std::fill(m, m + M, -1e30f);
+    std::fill(l, l + M, 0.f);
+    for (int64_t k0 = 0; k0 < shared; k0 += KB) {
+      const int64_t kb = std::min(KB, shared - k0);
+      widen_keys(P, 0, g, k0, kb, Dv, K, V);  // the pages are sequence 0's as much as any other's
+      mm(false, true, M, kb, Dk, 1.f, Q, Dk, K, Dk, 0.f, S, KB);
+      for (int64_t row = 0; row < M; ++row) online_softmax_row(S + row * KB, kb, m[row], l[row], acc + row * Dv, Dv);
+      mm(false, false, M, Dv, kb, 1.f, S, KB, V, Dv, 1.f, acc, Dv);
+    }
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = (t - t0) * R + r, at = t * H + g * R + r;
+        ms[at] = m[row];
+        ls[at] = l[row];
+        std::copy(acc + row * Dv, acc + (row + 1) * Dv, op + at * Dv);
+      }
+  }
+}
+
 template <typename T>
 void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
              const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
   const Paged<T> P(q, kc, vc, pages);
-  const int64_t H = P.H, Dk = P.Dk, Hkv = P.Hkv, R = P.R;
+  const int64_t H = P.H, Dk = P.Dk, Hkv = P.Hkv, R = P.R, N = static_cast<int64_t>(lens.size()), T_ = cu[N];
+  std::vector<int64_t> cached(N);  // keys before each sequence's first query
+  for (int64_t n = 0; n < N; ++n) cached[n] = lens[n] - (cu[n + 1] - cu[n]);
+  const int64_t shared = shared_pages(P.pp, P.width, cached.data(), N, P.page_size) * P.page_size;
+  std::vector<float> ms(shared ? T_ * H : 0), ls(ms.size());  // the shared keys' softmax state per (token, head)
   const std::vector<Job> jobs = make_jobs(cu, lens, Hkv);
-  const int64_t J = static_cast<int64_t>(jobs.size());
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), J));
+  const int64_t J = static_cast<int64_t>(jobs.size()), J1 = shared ? Hkv * (T_ / shared_tokens(R) + 1) : 0;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(J, J1)));
 #pragma omp parallel num_threads(threads)
   {
     FlushDenormals flush;
-    std::vector<float> Q(R * QB * Dk), K(KB * Dk), V(KB * Dv), S(R * QB * KB), acc(R * QB * Dv), m(R * QB),
-        l(R * QB);
+    const int64_t rows_max = std::max(R * QB, shared_tokens(R) * R);
+    std::vector<float> Q(rows_max * Dk), K(KB * Dk), V(KB * Dv), S(rows_max * KB), acc(rows_max * Dv), m(rows_max),
+        l(rows_max);
     std::vector<int64_t> pos(QB);
+    if (shared)  // then the implicit barrier: every job below resumes from it
+      prefill_shared(P, T_, shared, scale, Dv, ms.data(), ls.data(), op, Q.data(), K.data(), V.data(), S.data(),
+                     acc.data(), m.data(), l.data());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < J; ++j) {
       const Job& job = jobs[j];
       const int64_t rows = job.rows, M = R * rows;
-      start_job(job, cu, lens, M, Dv, pos.data(), acc.data(), m.data(), l.data());
+      start_job(job, cu, lens, M, R, H, Dv, shared ? ms.data() : nullptr, ls.data(), op, pos.data(), acc.data(),
+                m.data(), l.data());
       for (int64_t r = 0; r < R; ++r)  // row r * rows + i: query i of head g * R + r
         for (int64_t i = 0; i < rows; ++i) {
           const T* src = P.query(cu[job.n] + job.q0 + i, job.g * R + r);
@@ -130,14 +205,9 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
           for (int64_t d = 0; d < Dk; ++d) dst[d] = as_float(src[d]) * scale;
         }
       const int64_t last = pos[rows - 1];
-      for (int64_t k0 = 0; k0 <= last; k0 += KB) {
+      for (int64_t k0 = shared; k0 <= last; k0 += KB) {
         const int64_t kb = std::min(KB, last + 1 - k0);
-        for (int64_t t = 0; t < kb; ++t) {  // key and value rows k0 + t, from their pages
-          const T* ks = P.key(job.n, job.g, k0 + t);
-          const T* vs = P.value(job.n, job.g, k0 + t);
-          for (int64_t d = 0; d < Dk; ++d) K[t * Dk + d] = as_float(ks[d]);
-          for (int64_t d = 0; d < Dv; ++d) V[t * Dv + d] = as_float(vs[d]);
-        }
+        widen_keys(P, job.n, job.g, k0, kb, Dv, K.data(), V.data());
         mm(false, true, M, kb, Dk, 1.f, Q.data(), Dk, K.data(), Dk, 0.f, S.data(), KB);
         softmax_rows(S.data(), KB, M, rows, pos.data(), k0, kb, m.data(), l.data(), acc.data(), Dv);
         mm(false, false, M, Dv, kb, 1.f, S.data(), KB, V.data(), Dv, 1.f, acc.data(), Dv);
@@ -253,7 +323,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
     for (int64_t j = 0; j < J; ++j) {
       const Job& job = jobs[j];
       const int64_t rows = job.rows, M = R * rows;
-      start_job(job, cu, lens, M, Dv, pos.data(), acc.data(), m.data(), l.data());
+      start_job(job, cu, lens, M, R, H, Dv, nullptr, nullptr, op, pos.data(), acc.data(), m.data(), l.data());
       for (int64_t r = 0; r < R; ++r)  // row r * rows + i: query i of head g * R + r
         for (int64_t i = 0; i < rows; ++i) {
           const T* src = P.query(cu[job.n] + job.q0 + i, job.g * R + r);

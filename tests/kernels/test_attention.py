@@ -118,6 +118,42 @@ def test_mla_latent_layout(page_size):
     assert rel_err(o, paged_attention(*explicit.args(), scale=0.2)) < 1e-6
 
 
+def shared_prefix_batch(cached, q_lens, heads, dims, shared_pages, page_size=16, latent=False, seed=11):
+    """A batch whose page tables all start with the same `shared_pages` pages (a prefix cached
+    once and read by every sequence; the last sequence must have that many), then pages of their
+    own; sequence n has cached[n] keys before its q_lens[n] queries."""
+    b = make_batch([c + e for c, e in zip(cached, q_lens)], q_lens, heads, page_size, dims, latent, seed=seed)
+    table = b.page_table.clone()
+    table[:, :shared_pages] = b.page_table[-1, :shared_pages]  # every sequence reads the last one's first pages
+    return b._replace(page_table=table)
+
+
+@pytest.mark.parametrize("heads,dims,latent", [((4, 2), (16, 16), False), ((4, 1), (24, 16), True)],
+                         ids=["gqa", "mla"])
+@pytest.mark.parametrize("cached,shared", [
+    ([320, 330, 400, 321, 352, 500], 20),  # 20 shared pages (two key blocks), ends at, inside and past a page
+    ([320, 330, 200, 321, 352, 500], 20),  # one sequence has cached fewer keys than the shared pages hold
+    ([5, 330, 400, 321, 352, 500], 20),    # one has not a single whole page cached
+])
+def test_batch_over_a_shared_cached_prefix_matches_naive(heads, dims, latent, cached, shared):
+    """Prefill segments (one past a query block of 64), decode rows and a segment with no queries
+    whose page tables share their first pages (run for the whole batch at once by the compiled
+    kernel, as far as every sequence has them cached) equal the reference, and equal what each
+    sequence gets when it reads a private copy of those pages."""
+    q_lens = [70, 1, 6, 1, 0, 130]
+    b = shared_prefix_batch(cached, q_lens, heads, dims, shared, latent=latent)
+    dv = dims[1] if latent else None
+    o = paged_attention(*b.args(), scale=0.3, v_dim=dv)
+    assert o.shape == (sum(q_lens), 4, 16)
+    assert rel_err(o, naive_paged_attention(*b.args(), scale=0.3, v_dim=dv)) < FP32_TOL
+    pages, n = b.page_table[-1, :shared], len(q_lens)
+    copies = lambda c: None if c is None else torch.cat([c, c[pages].repeat(n - 1, 1, 1, 1)])  # noqa: E731
+    table = b.page_table.clone()  # the others read their own copies of the last one's first pages
+    table[:-1, :shared] = len(b.k_cache) + torch.arange((n - 1) * shared).view(n - 1, shared)
+    private = b._replace(k_cache=copies(b.k_cache), v_cache=copies(b.v_cache), page_table=table)
+    assert rel_err(o, paged_attention(*private.args(), scale=0.3, v_dim=dv)) < 1e-6
+
+
 def test_dk_differs_from_dv_with_separate_caches():
     """Separate K and V caches with Dk != Dv match the reference."""
     b = make_batch(EXTEND_SEQ, EXTEND_Q, (4, 2), 16, dims=(24, 8), seed=4)
