@@ -31,16 +31,6 @@ void widen(const T* src, int64_t ld, int64_t n, int64_t D, float* dst) {
     for (int64_t d = 0; d < D; ++d) dst[t * D + d] = as_float(src[t * ld + d]);
 }
 
-// the same rows as fp32: in place where they are fp32 rows of D, else widened into dst
-template <typename T>
-const float* as_rows(const T* src, int64_t ld, int64_t n, int64_t D, float* dst) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (ld == D) return src;
-  }
-  widen(src, ld, n, D, dst);
-  return dst;
-}
-
 // The online softmax of R query rows over one block of n keys whose scores are in p (rows of ld):
 // running max m and sum l per row, the accumulator rows acc (Dv each) rescaled; p becomes the
 // block's numerators.
@@ -48,12 +38,12 @@ inline void softmax_block(float* p, int64_t ld, int64_t rows, int64_t n, float* 
   for (int64_t r = 0; r < rows; ++r) online_softmax_row(p + r * ld, n, m[r], l[r], acc + r * Dv, Dv);
 }
 
-constexpr int64_t SHARED_ROWS = 64;  // query rows (sequences x R) per job over the shared pages
+constexpr int64_t SHARED_ROWS = 128;  // query rows (sequences x R) per job over the shared pages
 constexpr int64_t KEYS = 256;         // a sequence's own keys per step (whole pages, at least one)
 
 // Decode attention, one query per sequence. The pages all sequences share come first, as
-// matmuls: per (KV head, block of sequences), the block's R * rows queries against each shared
-// page (keys and values widened to fp32 once per job), so a prefix common to the batch costs a
+// matmuls: per (KV head, block of sequences), the block's R * rows queries against each step of
+// up to KEYS shared keys (widened to fp32 once per job), so a prefix common to the batch costs a
 // matmul instead of a pass per sequence. Then one job per (sequence, KV head) continues the same
 // online softmax (running max and sum per query head, the accumulator rescaled) over its own
 // pages in steps of up to KEYS keys: the step's keys and values widened to fp32 rows (across
@@ -80,7 +70,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   std::vector<float> m(N * H, -1e30f), l(N * H, 0.f);  // -1e30: finite, built with -ffast-math
   std::fill(op, op + N * H * Dv, 0.f);
   const int64_t shared = N > 1 ? shared_pages(pp, width, lp, N, page_size) : 0;
-  const int64_t block = std::max(page_size, KEYS / page_size * page_size);  // own keys per step
+  const int64_t block = std::max(page_size, KEYS / page_size * page_size);  // keys per step (whole pages)
   const int64_t seqs = std::max<int64_t>(1, SHARED_ROWS / R), blocks = (N + seqs - 1) / seqs;
   const int64_t J1 = shared ? Hkv * blocks : 0, J2 = N * Hkv;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(J1, J2)));
@@ -88,10 +78,20 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   {
     FlushDenormals flush;
     const int64_t rows_max = std::max(seqs, int64_t{1}) * R;
-    std::vector<float> qf(rows_max * Dk), kbuf(page_size * Dk), vbuf(page_size * Dv);
-    std::vector<float> p(std::max(rows_max * page_size, R * block));
-    std::vector<float> acc(rows_max * Dv);
-    std::vector<float> kb(block * Dk), vb(block * Dv);  // a block of a sequence's own keys and values, fp32
+    std::vector<float> qf(rows_max * Dk), p(rows_max * block), acc(rows_max * Dv);
+    std::vector<float> kb(block * Dk), vb(block * Dv);  // a step's keys and values, fp32
+    // keys t0 .. t0 + cnt - 1 of KV head g of the sequence with this page table into kb (values into
+    // vb, unless they are the keys' first channels), a page's run at a time
+    auto widen_step = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt) {
+      for (int64_t t = t0; t < t0 + cnt;) {
+        const int64_t page = table[t / page_size], row = t % page_size;
+        const int64_t run = std::min(page_size - row, t0 + cnt - t);
+        widen(kp + page * k_page + row * k_row + g * k_head, k_row, run, Dk, kb.data() + (t - t0) * Dk);
+        if (!latent) widen(vp + page * v_page + row * v_row + g * v_head, v_row, run, Dv, vb.data() + (t - t0) * Dv);
+        t += run;
+      }
+    };
+    const float* values = latent ? kb.data() : vb.data();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < J1; ++job) {  // the shared pages: rows (n, r) of one KV head at once
       const int64_t g = job % Hkv, n0 = job / Hkv * seqs, ns = std::min(seqs, N - n0), rows = ns * R;
@@ -100,14 +100,12 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
       float *mb = m.data() + n0 * H, *lb = l.data() + n0 * H;  // rows (n, r) of this block: see below
       std::vector<float> mr(rows, -1e30f), lr(rows, 0.f);
-      for (int64_t c = 0; c < shared; ++c) {
-        const int64_t page = pp[c];
-        const float* keys = as_rows(kp + page * k_page + g * k_head, k_row, page_size, Dk, kbuf.data());
-        const float* values =
-            latent ? keys : as_rows(vp + page * v_page + g * v_head, v_row, page_size, Dv, vbuf.data());
-        mm(false, true, rows, page_size, Dk, 1.f, qf.data(), Dk, keys, Dk, 0.f, p.data(), page_size);
-        softmax_block(p.data(), page_size, rows, page_size, mr.data(), lr.data(), acc.data(), Dv);
-        mm(false, false, rows, Dv, page_size, 1.f, p.data(), page_size, values, ldv, 1.f, acc.data(), Dv);
+      for (int64_t t0 = 0; t0 < shared * page_size; t0 += block) {
+        const int64_t cnt = std::min(block, shared * page_size - t0);
+        widen_step(pp, g, t0, cnt);  // the pages are sequence 0's as much as any other's
+        mm(false, true, rows, cnt, Dk, 1.f, qf.data(), Dk, kb.data(), Dk, 0.f, p.data(), block);
+        softmax_block(p.data(), block, rows, cnt, mr.data(), lr.data(), acc.data(), Dv);
+        mm(false, false, rows, Dv, cnt, 1.f, p.data(), block, values, ldv, 1.f, acc.data(), Dv);
       }
       for (int64_t i = 0; i < ns; ++i)
         for (int64_t r = 0; r < R; ++r) {
@@ -124,19 +122,12 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       float* a = op + (n * H + g * R) * Dv;  // query heads g * R .. g * R + R - 1
       float *mg = m.data() + n * H + g * R, *lg = l.data() + n * H + g * R;
       for (int64_t i = 0; i < R * Dk; ++i) qf[i] = as_float(qp[(n * H + g * R) * Dk + i]) * sc;
-      for (int64_t t0 = shared * page_size; t0 < L; t0 += block) {  // up to `block` keys across pages
+      for (int64_t t0 = shared * page_size; t0 < L; t0 += block) {
         const int64_t cnt = std::min(block, L - t0);
-        for (int64_t t = t0; t < t0 + cnt;) {  // widen the block's keys and values, a page's run at a time
-          const int64_t page = table[t / page_size], row = t % page_size;
-          const int64_t run = std::min(page_size - row, t0 + cnt - t);
-          widen(kp + page * k_page + row * k_row + g * k_head, k_row, run, Dk, kb.data() + (t - t0) * Dk);
-          if (!latent)
-            widen(vp + page * v_page + row * v_row + g * v_head, v_row, run, Dv, vb.data() + (t - t0) * Dv);
-          t += run;
-        }
+        widen_step(table, g, t0, cnt);
         mm(false, true, R, cnt, Dk, 1.f, qf.data(), Dk, kb.data(), Dk, 0.f, p.data(), block);
         softmax_block(p.data(), block, R, cnt, mg, lg, a, Dv);
-        mm(false, false, R, Dv, cnt, 1.f, p.data(), block, latent ? kb.data() : vb.data(), ldv, 1.f, a, Dv);
+        mm(false, false, R, Dv, cnt, 1.f, p.data(), block, values, ldv, 1.f, a, Dv);
       }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t d = 0; d < Dv; ++d) a[r * Dv + d] /= lg[r];

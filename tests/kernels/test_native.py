@@ -54,22 +54,24 @@ def test_decode_over_several_key_steps(dtype, layout, page_size):
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
-@pytest.mark.parametrize("lens", [[40, 33, 70, 36], [40, 12, 70, 36], [32, 32, 32]])
-def test_decode_over_pages_shared_by_every_sequence(dtype, layout, lens):
+@pytest.mark.parametrize("lens,shared", [([40, 33, 70, 36], 2), ([40, 12, 70, 36], 2), ([32, 32, 32], 2),
+                                         ([330 + i % 7 for i in range(50)], 20)])
+def test_decode_over_pages_shared_by_every_sequence(dtype, layout, lens, shared):
     """Sequences whose page tables start with the same pages (a prefix cached once): those pages
     run as matmuls over all sequences' queries, the rest per sequence, and the result equals the
     reference. Shared pages count only while every sequence fills them (12 keys: none; 32: the
-    first two of 16, with nothing after them)."""
+    first two of 16, with nothing after them); 20 shared pages are two steps of keys, and 50
+    sequences more query rows than one job takes."""
     gen = torch.Generator().manual_seed(3)
     ps = 16
     heads, dims = ((6, 2), (16, 16)) if layout == "gqa" else ((4, 1), (24, 16))
-    own = [(n - 1) // ps + 1 - 2 for n in lens]  # pages past the two shared ones
-    num_pages = 2 + sum(max(o, 0) for o in own)
-    order = torch.randperm(num_pages - 2, generator=gen) + 2
-    table, at = torch.zeros(len(lens), max(own) + 2, dtype=torch.long), 0
+    own = [(n - 1) // ps + 1 - shared for n in lens]  # pages past the shared ones
+    num_pages = shared + sum(max(o, 0) for o in own)
+    order = torch.randperm(num_pages - shared, generator=gen) + shared
+    table, at = torch.zeros(len(lens), max(own) + shared, dtype=torch.long), 0
     for i, o in enumerate(own):
-        table[i, :2] = torch.tensor([1, 0])  # the shared pages, in that order
-        table[i, 2 : 2 + max(o, 0)] = order[at : at + max(o, 0)]
+        table[i, :shared] = torch.arange(shared).flip(0)  # the shared pages, last first
+        table[i, shared : shared + max(o, 0)] = order[at : at + max(o, 0)]
         at += max(o, 0)
     k_cache = torch.randn(num_pages, ps, heads[1], dims[0], generator=gen).to(dtype)
     v_cache = torch.randn(num_pages, ps, heads[1], dims[1], generator=gen).to(dtype)
