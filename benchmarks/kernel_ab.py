@@ -10,6 +10,15 @@ arguments on a copy), and the minimum over `--repeats` calls is compared. `--rev
 revision out into a temporary worktree and builds its module there (a few minutes, once per
 revision: the build is cached like any other); `--old` loads a module built before.
 
+    python -m benchmarks.kernel_ab --old PATH --engine builtin [--kernels paged_prefill,paged_decode]
+
+`--engine MODEL` (builtin, or a peer checkpoint: qwen3-next, nemotron-h, built under
+`--cache`) runs the peer benchmark's workload once through the engine instead, every call of
+the named kernels made on both modules (which goes first alternating from call to call; the
+engine carries on with the new module's output), and prints each kernel's summed time per
+module: a change measured on the calls a real run makes, with no other engine code in the
+difference, where whole runs side by side spread more than the change.
+
 The cases are the decode-step and prefill kernels at the peer benchmark's sizes (64 sequences
 of 1,024 shared + 320 own keys; prefill steps of 256-query segments over the 1,024 shared keys,
 alone or beside decode rows; the built-in Kimi model's and Qwen3-Next's layer shapes).
@@ -186,6 +195,57 @@ def compare(name: str, case: Case, old, new, repeats: int) -> dict:
             "ratio": best["new"] / best["old"], "max_diff": diff}
 
 
+class Both:
+    """The new module, except that each call of `kernels` also runs on the old one, timed."""
+
+    def __init__(self, old, new, kernels: list[str]):
+        self.old, self.new, self.kernels, self.flip = old, new, kernels, False
+        self.rows = {k: {"case": k, "calls": 0, "old_s": 0.0, "new_s": 0.0, "max_diff": 0.0} for k in kernels}
+
+    def __getattr__(self, name):
+        if name not in self.kernels:
+            return getattr(self.new, name)
+        row = self.rows[name]
+
+        def call(*args):
+            self.flip = not self.flip
+            sides = [("new", self.new), ("old", self.old)]
+            outs = {}
+            for side, ext in sides if self.flip else sides[::-1]:
+                t0 = time.perf_counter()
+                outs[side] = getattr(ext, name)(*args)
+                row[f"{side}_s"] += time.perf_counter() - t0
+            row["calls"] += 1
+            row["max_diff"] = max(row["max_diff"], largest_difference(outs["old"], outs["new"]))
+            return outs["new"]
+        return call
+
+
+def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests: int, prefix: int, suffix: int,
+                 tokens: int) -> list[dict]:
+    """The peer workload once through the engine (dtype and prefix caching as in the model's first
+    peer row), the calls of `kernels` made on both modules; per kernel: calls, summed seconds per
+    module, their ratio and the largest output difference."""
+    from benchmarks import peers
+    from hybridserve import LLM, SamplingParams
+
+    row = next(r for r in peers.ROWS.values() if r.model == model)
+    work = peers.workload(argparse.Namespace(requests=requests, prefix=prefix, suffix=suffix, new=tokens), row.vocab)
+    path = peers.checkpoint(model, cache)[0]
+    both = Both(old, new, kernels)
+    real, native.extension = native.extension, lambda: both  # type: ignore[assignment]
+    try:
+        llm = LLM(str(path), dtype=row.dtype, enable_prefix_cache=row.prefix_cache, max_running=requests,
+                  memory_gb=peers.MEMORY_GB)
+        llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        for r in both.rows.values():
+            r.update(calls=0, old_s=0.0, new_s=0.0)
+        llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
+    finally:
+        native.extension = real  # type: ignore[assignment]
+    return [dict(r, ratio=r["new_s"] / r["old_s"] if r["old_s"] else float("nan")) for r in both.rows.values()]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     which = ap.add_mutually_exclusive_group(required=True)
@@ -194,6 +254,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated substrings of the case names to run")
+    ap.add_argument("--engine", help="run the peer workload through the engine on this model instead of the cases")
+    ap.add_argument("--kernels", default="paged_prefill,paged_decode", help="--engine: the kernels to compare")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
+                    help="--engine: where the peer checkpoints are built")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prefix", type=int, default=1024)
+    ap.add_argument("--suffix", type=int, default=256)
+    ap.add_argument("--new", type=int, default=64)
     args = ap.parse_args(argv)
     new = native.extension()
     if new is None:
@@ -201,6 +269,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     old = load(build_rev(args.rev) if args.rev else args.old)
     keep_freed_memory()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        print(f"old {Path(old.__file__).parent.name}, new {Path(new.__file__).parent.name}; {args.engine}, "
+              f"{args.requests} requests of {args.prefix} shared + {args.suffix} own tokens, {args.new} new; "
+              f"{args.threads} threads")
+        rows = engine_calls(args.engine, old, new, [k for k in args.kernels.split(",") if k], args.cache,
+                            args.requests, args.prefix, args.suffix, args.new)
+        for r in rows:
+            print(f"{r['case']:16s} {r['calls']:5d} calls  old {r['old_s']:7.3f} s  new {r['new_s']:7.3f} s  "
+                  f"new/old {r['ratio']:5.2f}  max diff {r['max_diff']:.1e}", flush=True)
+        return rows
     wanted = [w for w in args.only.split(",") if w]
     rows = []
     print(f"old {Path(old.__file__).parent.name}, new {Path(new.__file__).parent.name}; "

@@ -27,3 +27,16 @@ def test_a_kernel_the_old_module_lacks_is_skipped():
     r = kernel_ab.compare("conv", kernel_ab.CASES["conv_step bf16 768"], types.SimpleNamespace(), native.extension(),
                           repeats=1)
     assert r["case"] == "conv" and "conv_step" in r["skipped"]
+
+
+@needs_kernel
+def test_engine_mode_makes_each_call_on_both_modules(tmp_path):
+    """--engine runs the workload through the engine with every call of the named kernels made on
+    both modules: a module against itself, both sides are timed on every call and agree bit for bit."""
+    module = str(Path(native.extension().__file__))
+    rows = kernel_ab.main(["--old", module, "--engine", "builtin", "--cache", str(tmp_path), "--requests", "3",
+                           "--prefix", "64", "--suffix", "16", "--new", "3", "--threads", "1"])
+    assert [r["case"] for r in rows] == ["paged_prefill", "paged_decode"]
+    for r in rows:
+        assert r["calls"] > 0 and r["old_s"] > 0 and r["new_s"] > 0 and r["max_diff"] == 0
+    assert native.extension() is not None and not isinstance(native.extension(), kernel_ab.Both)  # restored
