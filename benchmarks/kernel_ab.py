@@ -239,7 +239,7 @@ def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests
                   memory_gb=peers.MEMORY_GB)
         llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         for r in both.rows.values():
-            r.update(calls=0, old_s=0.0, new_s=0.0)
+            r.update(calls=0, old_s=0.0, new_s=0.0, max_diff=0.0)  # the measured calls only
         llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
     finally:
         native.extension = real  # type: ignore[assignment]
@@ -270,11 +270,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     keep_freed_memory()
     torch.set_num_threads(args.threads)
     if args.engine:
+        from benchmarks import peers
+
+        models = sorted({r.model for r in peers.ROWS.values()})
+        if args.engine not in models:
+            ap.error(f"--engine {args.engine}: one of {', '.join(models)}")
+        kernels = [k for k in args.kernels.split(",") if k]
+        missing = [k for k in kernels if not (callable(getattr(old, k, None)) and callable(getattr(new, k, None)))]
+        if not kernels or missing:
+            ap.error(f"--kernels: {', '.join(missing) or 'none given'}: not a kernel of both modules")
         print(f"old {Path(old.__file__).parent.name}, new {Path(new.__file__).parent.name}; {args.engine}, "
               f"{args.requests} requests of {args.prefix} shared + {args.suffix} own tokens, {args.new} new; "
               f"{args.threads} threads")
-        rows = engine_calls(args.engine, old, new, [k for k in args.kernels.split(",") if k], args.cache,
-                            args.requests, args.prefix, args.suffix, args.new)
+        rows = engine_calls(args.engine, old, new, kernels, args.cache, args.requests, args.prefix, args.suffix,
+                            args.new)
         for r in rows:
             print(f"{r['case']:16s} {r['calls']:5d} calls  old {r['old_s']:7.3f} s  new {r['new_s']:7.3f} s  "
                   f"new/old {r['ratio']:5.2f}  max diff {r['max_diff']:.1e}", flush=True)

@@ -40,3 +40,14 @@ def test_engine_mode_makes_each_call_on_both_modules(tmp_path):
     for r in rows:
         assert r["calls"] > 0 and r["old_s"] > 0 and r["new_s"] > 0 and r["max_diff"] == 0
     assert native.extension() is not None and not isinstance(native.extension(), kernel_ab.Both)  # restored
+
+
+@needs_kernel
+@pytest.mark.parametrize("bad,message", [(["--engine", "llama"], "one of builtin"),
+                                         (["--engine", "builtin", "--kernels", "paged_prefil"], "paged_prefil")])
+def test_engine_mode_refuses_an_unknown_model_or_kernel(bad, message, capsys):
+    """An --engine model without a peer row, or a --kernels name neither module has, is refused
+    before anything runs, naming what was wrong."""
+    with pytest.raises(SystemExit):
+        kernel_ab.main(["--old", str(Path(native.extension().__file__)), *bad])
+    assert message in capsys.readouterr().err
