@@ -21,10 +21,12 @@ difference, where whole runs side by side spread more than the change.
 
 The cases are the decode-step and prefill kernels at the peer benchmark's sizes (64 sequences
 of 1,024 shared + 320 own keys; prefill steps of 256-query segments over the 1,024 shared keys,
-alone or beside decode rows; the built-in Kimi model's and Qwen3-Next's layer shapes).
-Each prints both times, new / old, and the largest difference between the outputs (0: the same
-bits). A case the old module cannot run (a kernel it does not have, or another signature) is
-listed as skipped with the reason.
+alone or beside decode rows; the built-in Kimi model's and Qwen3-Next's layer shapes), and the
+bf16 projection and MoE layer, each module packing its own weights. In `--engine` mode both
+modules get the engine's arguments, packed weights included, so kernels taking those compare
+only between builds that pack alike. Each prints both times, new / old, and the largest
+difference between the outputs (0: the same bits). A case the old module cannot run (a kernel
+it does not have, or another signature) is listed as skipped with the reason.
 """
 from __future__ import annotations
 
@@ -119,6 +121,29 @@ def linear_case(rows: int, outs: int, ins: int = 256) -> Case:
                         torch.randn(outs, ins, generator=gen).bfloat16()), call, ()
 
 
+def moe_case(rows: int, experts: int = 8, top: int = 2, dim: int = 256, inter: int = 128) -> Case:
+    """A MoE layer of the built-in model's shape: `rows` tokens, each to `top` of `experts`, and a
+    shared expert on every token."""
+    packs: dict[int, tuple] = {}
+
+    def inputs(gen):
+        x = torch.randn(rows, dim, generator=gen).bfloat16()
+        idx = torch.stack([torch.randperm(experts, generator=gen)[:top] for _ in range(rows)])
+        weight = torch.rand(rows, top, generator=gen).bfloat16()
+        gate_up, down = (torch.randn(experts + 1, *shape, generator=gen).bfloat16() * 0.1
+                         for shape in ((2 * inter, dim), (dim, inter)))
+        return x, idx, weight, gate_up, down
+
+    def call(ext, x, idx, weight, gate_up, down):
+        if id(ext) not in packs:  # once per module, as the engine packs the experts once
+            packs[id(ext)] = (*ext.pack_experts_bf16(gate_up[:-1], down[:-1]),
+                              *ext.pack_experts_bf16(gate_up[-1:], down[-1:]))
+        gu, dn, sgu, sdn = packs[id(ext)]
+        return ext.moe_bf16(x, idx, weight, gu, dn, "silu", sgu, sdn, EMPTY)
+
+    return inputs, call, ()
+
+
 def norm_case(rows: int, dim: int = 256) -> Case:
     return (lambda gen: (torch.randn(rows, dim, generator=gen).bfloat16(), torch.randn(dim, generator=gen)),
             lambda ext, x, w: ext.add_rms_norm(x, x, w, 1e-6, 0.0, True), ())
@@ -138,6 +163,8 @@ CASES: dict[str, Case] = {
     "delta_step gdn": delta_case("gdn"),
     "linear 64 x 256 -> 776": linear_case(64, 776),
     "linear 6000 x 256 -> 776": linear_case(6000, 776),
+    "moe 64 tokens, 8 experts top-2 + shared": moe_case(64),
+    "moe 4096 tokens, 8 experts top-2 + shared": moe_case(4096),
     "add_rms_norm 64 x 256": norm_case(64),
 }
 

@@ -20,13 +20,15 @@
 // `heads_bf16`: one such matmul per head, x [T, H, K] against w [H, N, K], into a view (MLA's
 // absorbed query and value projections, models/kimi_linear.py).
 //
-// CPUs without bf16 micro-kernels in oneDNN (AVX2, or AVX-512 without bf16 support: no AMX)
-// run the same drivers over a micro-kernel of our own (`fma_rows`): the packed blocks are plain
-// [K, BN] bf16 (no VNNI pairs); a call widens its rows and its block to fp32 and sums over K in
-// order with FMAs. Every output is again one fp32 sum in a fixed order rounded once to bf16, the
-// same whichever rows or blocks share the call; that order is not oneDNN's, so an output can
-// differ from torch's bf16 matmul by one bf16 step. torch's own bf16 matmul on such a CPU has no
-// vector kernel and takes 4-9x as long (benchmarks/gemm.py).
+// CPUs without bf16 micro-kernels in oneDNN (no AMX) run the same drivers over a micro-kernel of
+// our own. With AVX-512 BF16 (`dot_rows`, e.g. AMD Zen 4) the packed blocks are in the same VNNI
+// pairs [K / 2, BN, 2] and each step multiplies a pair of k for 16 columns in one instruction
+// (vdpbf16ps), straight from the bf16 rows and block. With AVX2 only (`fma_rows`) the blocks are
+// plain [K, BN] bf16; a call widens its rows and its block to fp32 and sums over K in order with
+// FMAs. Either way every output is one fp32 sum in a fixed order rounded once to bf16, the same
+// whichever rows or blocks share the call; that order is not oneDNN's, so an output can differ
+// from torch's bf16 matmul by one bf16 step. torch's own bf16 matmul on such a CPU has no vector
+// kernel and takes 4-9x as long (benchmarks/gemm.py).
 //
 // `moe_bf16`: the mixture of experts of models/layers/mlp.py run_experts for gated experts
 // without biases: each (token, choice) row goes to its expert; per block of one expert's rows,
@@ -47,11 +49,13 @@
 #include "../widen.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -62,25 +66,65 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BN = 32;  // columns per packed block
 constexpr int64_t BM = 64;  // rows per micro-kernel call
 
-// oneDNN's bf16 micro-kernels run on this CPU (AMX); else fma_rows does their work.
+// oneDNN's bf16 micro-kernels run on this CPU (AMX); else dot_rows or fma_rows does their work.
 bool onednn_bf16() {
   static const bool yes = cpublas::could_pack(at::kBFloat16);
   return yes;
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool PAIRS = true;  // dot_rows reads the blocks as VNNI pairs
+#else
+constexpr bool PAIRS = false;
+#endif
+
 // Pack w [N, K] (rows may be strided) into blocks [NB, K, BN] in place at out: in oneDNN's VNNI
-// layout, or plain row-major for fma_rows.
+// layout, in VNNI pairs [K / 2, BN, 2] for dot_rows, or plain row-major for fma_rows.
 void pack_into(const BFloat16* w, int64_t ldw, int64_t N, int64_t K, BFloat16* out) {
   const int64_t NB = (N + BN - 1) / BN;
   std::vector<BFloat16> block(K * BN);
   for (int64_t b = 0; b < NB; ++b) {
     BFloat16* dst = onednn_bf16() ? block.data() : out + b * K * BN;
-    for (int64_t k = 0; k < K; ++k)  // [K, BN] row-major: column n of the block is weight row b * BN + n
-      for (int64_t n = 0; n < BN; ++n)
-        dst[k * BN + n] = b * BN + n < N ? w[(b * BN + n) * ldw + k] : BFloat16(0.f);
+    for (int64_t k = 0; k < K; ++k)  // column n of the block is weight row b * BN + n
+      for (int64_t n = 0; n < BN; ++n) {
+        const int64_t at = PAIRS && !onednn_bf16() ? k / 2 * 2 * BN + n * 2 + k % 2 : k * BN + n;
+        dst[at] = b * BN + n < N ? w[(b * BN + n) * ldw + k] : BFloat16(0.f);
+      }
     if (onednn_bf16()) cpublas::pack(K, BN, BN, BN, at::kBFloat16, at::kBFloat16, block.data(), out + b * K * BN);
   }
 }
+
+#if defined(__AVX512BF16__)
+// R rows of a [R, K] bf16 (rows lda apart, K even) times a block b in VNNI pairs -> c [R, BN] fp32
+// (rows BN apart): per pair of k, each row's two values broadcast against the block's 2 x 16
+// columns; every output summed over k in one fixed order (within a pair as vdpbf16ps does).
+template <int R>
+void dot_rows(const BFloat16* a, int64_t lda, int64_t K, const BFloat16* b, float* c) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + k * BN), b1 = (__m512bh)_mm512_loadu_si512(b + k * BN + BN);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + k, sizeof(pair));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * BN, acc[r][0]);
+    _mm512_storeu_ps(c + r * BN + 16, acc[r][1]);
+  }
+}
+
+template <int... R>
+constexpr auto dot_kernels(std::integer_sequence<int, R...>) {
+  return std::array{dot_rows<R + 1>...};
+}
+constexpr int DOT_ROWS = 8;  // rows a call: 16 accumulators
+constexpr auto DOT = dot_kernels(std::make_integer_sequence<int, DOT_ROWS>{});  // DOT[r - 1]: r rows
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 // R rows of a [R, K] fp32 (rows K apart) times b [K, BN] fp32 -> c [R, BN] (rows BN apart): per
@@ -107,14 +151,17 @@ void fma_rows(const float* a, int64_t K, const float* b, float* c) {
 #endif
 
 // The micro-kernel call of the drivers below: C [m, BN] fp32 = A [m, K] bf16 (rows lda apart)
-// times packed block B [K, BN], m <= BM. Without oneDNN's: both widened to fp32 in this
-// thread's buffers, then six rows at a time.
+// times packed block B [K, BN], m <= BM. Without oneDNN's: dot_rows eight rows at a time, or
+// (AVX2) both widened to fp32 in this thread's buffers, then six rows at a time.
 void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, float* C) {
   if (onednn_bf16()) {
     cpublas::brgemm(m, BN, K, lda, BN, BN, false, A, B, C);
     return;
   }
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512BF16__)
+  for (int64_t r = 0; r < m; r += DOT_ROWS)
+    DOT[std::min<int64_t>(DOT_ROWS, m - r) - 1](A + r * lda, lda, K, B, C + r * BN);
+#elif defined(__AVX2__) && defined(__FMA__)
   thread_local std::vector<float> a, b;
   a.resize(m * K);
   b.resize(K * BN);
