@@ -133,6 +133,10 @@ void widen_keys(const Paged<T>& P, int64_t n, int64_t g, int64_t k0, int64_t kb,
 }
 
 inline int64_t shared_tokens(int64_t R) { return std::max<int64_t>(1, SQ / R); }  // per prefill_shared job
+// prefill_shared's jobs: (KV head, block of shared_tokens query tokens)
+inline int64_t shared_jobs(int64_t T_, int64_t Hkv, int64_t R) {
+  return Hkv * ((T_ + shared_tokens(R) - 1) / shared_tokens(R));
+}
 
 // The first `shared` keys (whole pages every sequence shares, before any of its queries) for
 // every query: one job per (KV head, block of SQ query rows of the whole batch), each key block
@@ -143,7 +147,7 @@ void prefill_shared(const Paged<T>& P, int64_t T_, int64_t shared, float scale, 
                     float* op, float* Q, float* K, float* V, float* S, float* acc, float* m, float* l) {
   const int64_t H = P.H, Dk = P.Dk, R = P.R, tokens = shared_tokens(R);
 #pragma omp for schedule(dynamic, 1)
-  for (int64_t job = 0; job < P.Hkv * ((T_ + tokens - 1) / tokens); ++job) {
+  for (int64_t job = 0; job < shared_jobs(T_, P.Hkv, R); ++job) {
     const int64_t g = job % P.Hkv, t0 = job / P.Hkv * tokens, t1 = std::min(T_, t0 + tokens), M = (t1 - t0) * R;
     for (int64_t t = t0; t < t1; ++t) {  // row (t - t0) * R + r: token t, head g * R + r
       const T* src = P.query(t, g * R);
@@ -180,7 +184,7 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
   const int64_t shared = shared_pages(P.pp, P.width, cached.data(), N, P.page_size) * P.page_size;
   std::vector<float> ms(shared ? T_ * H : 0), ls(ms.size());  // the shared keys' softmax state per (token, head)
   const std::vector<Job> jobs = make_jobs(cu, lens, Hkv);
-  const int64_t J = static_cast<int64_t>(jobs.size()), J1 = shared ? Hkv * (T_ / shared_tokens(R) + 1) : 0;
+  const int64_t J = static_cast<int64_t>(jobs.size()), J1 = shared ? shared_jobs(T_, Hkv, R) : 0;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), std::max(J, J1)));
 #pragma omp parallel num_threads(threads)
   {

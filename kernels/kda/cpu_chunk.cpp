@@ -146,29 +146,31 @@ void times_columns(const float* A, int64_t M, int64_t K, const float* C, int64_t
   }
 }
 
-// rows [r0, r1) against columns [c0, r0) (at most PBLK of each), the decay split at token r0 - 1:
-// exp(G_i - G_j) = exp(G_i - G_{r0-1}) exp(G_{r0-1} - G_j), both <= 1
+// rows [r0, r1) against columns [c0, c1) (at most PBLK of each), the decay split at reference
+// Gref: exp(G_i - G_j) = exp(G_i - Gref) exp(Gref - G_j), in w.D's scaled rows and columns
+void block(const Sizes& s, const float* k, const float* q, const float* G, const float* Gref, int64_t r0, int64_t r1,
+           int64_t c0, int64_t c1, Scratch& w, float* A_kk, float* A_qk) {
+  float *kr = w.D.data(), *qr = kr + PBLK * s.K, *kc = qr + PBLK * s.K;
+  scaled(s, k, q, G, Gref, r0, r1, kr, qr);
+  columns(s, k, G, Gref, c0, c1, kc);
+  dots(s, kr, qr, kc, r0, r1, c0, c1, A_kk, A_qk);
+}
+
+// rows [r0, r1) against columns [c0, r0), the decay split at token r0 - 1: both factors <= 1
 void split(const Sizes& s, const float* k, const float* q, const float* G, int64_t r0, int64_t r1, int64_t c0,
            Scratch& w, float* A_kk, float* A_qk) {
-  float *kr = w.D.data(), *qr = kr + PBLK * s.K, *kc = qr + PBLK * s.K;
-  const float* Gs = G + (r0 - 1) * s.K;
-  scaled(s, k, q, G, Gs, r0, r1, kr, qr);
-  columns(s, k, G, Gs, c0, r0, kc);
-  dots(s, kr, qr, kc, r0, r1, c0, r0, A_kk, A_qk);
+  block(s, k, q, G, G + (r0 - 1) * s.K, r0, r1, c0, r0, w, A_kk, A_qk);
 }
 
 void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64_t c, Scratch& w) {
   const int64_t K = s.K, HALF = PBLK / 2;
   float *A_kk = w.A.data(), *A_qk = w.A.data() + c * CHUNK, *R = w.R.data(), *C = w.C.data();
-  float *kr = w.D.data(), *qr = kr + PBLK * K, *kc = qr + PBLK * K, *e = w.e.data();
+  float* e = w.e.data();
   for (int64_t b0 = 0; b0 < c; b0 += PBLK) {  // the diagonal blocks
     const int64_t b1 = std::min(c, b0 + PBLK), n = b1 - b0;
     for (int64_t a0 = b0; a0 < b1; a0 += HALF) {  // the halves: x = exp(G - G_m), pairs x_i / x_j
       const int64_t a1 = std::min(b1, a0 + HALF);
-      const float* Gm = G + (a0 + (a1 - a0 - 1) / 2) * K;
-      scaled(s, k, q, G, Gm, a0, a1, kr, qr);
-      columns(s, k, G, Gm, a0, a1, kc);
-      dots(s, kr, qr, kc, a0, a1, a0, a1, A_kk, A_qk);
+      block(s, k, q, G, G + (a0 + (a1 - a0 - 1) / 2) * K, a0, a1, a0, a1, w, A_kk, A_qk);
     }
     if (n > HALF) split(s, k, q, G, b0 + HALF, b1, b0, w, A_kk, A_qk);  // second half against the first
     if (b0 % SBLK) split(s, k, q, G, b0, b1, b0 - PBLK, w, A_kk, A_qk);  // against the previous diagonal block
