@@ -7,7 +7,7 @@ MoE router + shared expert, lm_head) at decode batches (64 rows) and prefill rou
 rows), times one call of:
   ours         kernels/native.py's linear_bf16, what models/layers/linear.py's `linear` runs
                (kernels/gemm/cpu_gemm.cpp, the weight packed once; oneDNN's micro-kernels with
-               AMX, its own AVX2 ones elsewhere)
+               AMX, its own AVX-512 BF16 or AVX2 ones elsewhere)
   torch-same   F.linear at a row count it has seen: oneDNN's matmul primitive already made
   torch-new    F.linear at a row count it has not seen, as each serving round brings: the
                primitive is made inside the call
@@ -16,7 +16,7 @@ rows), times one call of:
 Rows differ by one from call to call for `ours`, `torch-new` and `torch-pad` (what an engine
 gives them). The candidates alternate, the minimum over `--repeats` is printed with the
 ratios to `ours`, and the outputs are checked to be the same bits (oneDNN's micro-kernels)
-or within a bf16 step (the AVX2 ones, which sum in another order). Freed memory is kept, as
+or within a bf16 step (our own ones, which sum in another order). Freed memory is kept, as
 the engine keeps it (hybridserve/host.py).
 """
 from __future__ import annotations

@@ -340,7 +340,8 @@ def _bf16_gemm_supported(ext) -> bool:
 
 def assert_torch_bf16_bits(ours: torch.Tensor, torch_out: torch.Tensor) -> None:
     """The bf16 gemm kernels' contract with torch's bf16 matmul: oneDNN's micro-kernels (AMX)
-    give its bits; the AVX2 ones sum over K in their own order, within one bf16 step of it."""
+    give its bits; our own (AVX-512 BF16 or AVX2) sum over K in their own order, within one
+    bf16 step of it."""
     ext = _bf16_gemm()
     if ext is not None and ext.gemm_bf16_onednn():
         assert torch.equal(ours, torch_out), "not torch's bits"

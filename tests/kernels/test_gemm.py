@@ -1,6 +1,6 @@
 """The packed bf16 micro-kernels (kernels/gemm/cpu_gemm.cpp) give torch's bf16 results (oneDNN's
-the same bits, the AVX2 ones within a bf16 step), and the compiled kernels leave the denormal
-mode of torch's threads as they found it."""
+the same bits, our own AVX-512 BF16 or AVX2 ones within a bf16 step), and the compiled kernels
+leave the denormal mode of torch's threads as they found it."""
 import pytest
 import torch
 import torch.nn.functional as F
