@@ -18,6 +18,10 @@ gives them). The candidates alternate, the minimum over `--repeats` is printed w
 ratios to `ours`, and the outputs are checked to be the same bits (oneDNN's micro-kernels)
 or within a bf16 step (our own ones, which sum in another order). Freed memory is kept, as
 the engine keeps it (hybridserve/host.py).
+
+`--fp32`: the fp32 micro-kernel (`linear_f32`, on AVX-512 BF16 CPUs without AMX) against
+torch's fp32 matmul (MKL's sgemm) at decode and prefill sizes, with each one's largest error
+against the fp64 product.
 """
 from __future__ import annotations
 
@@ -65,13 +69,46 @@ def row(rows: int, outs: int, ins: int, repeats: int) -> dict[str, float]:
     return best
 
 
+# (rows, outputs, inputs) for --fp32: decode and prefill sizes, narrow and wide outputs
+F32_SHAPES = [(1, 1024, 256), (64, 1024, 256), (37, 520, 1024), (4096, 1024, 256), (4096, 256, 1024),
+              (4096, 3000, 256)]
+
+
+def f32_rows(repeats: int) -> None:
+    """--fp32: the fp32 micro-kernel (linear_f32) against torch's F.linear (MKL's sgemm), alternating,
+    and the largest difference from the fp64 product relative to its largest value, for each."""
+    print(f"{'rows x outs x ins':>21}  {'ours':>9}  {'torch':>9}  ours/torch  {'GFLOP/s':>7}  err ours  err torch")
+    for rows, outs, ins in F32_SHAPES:
+        gen = torch.Generator().manual_seed(rows + outs)
+        x, w, b = torch.randn(rows, ins, generator=gen), torch.randn(outs, ins, generator=gen), torch.randn(outs)
+        exact = F.linear(x.double(), w.double(), b.double())
+        fns = {"ours": native.linear_f32, "torch": F.linear}
+        err = {n: float((f(x, w, b).double() - exact).abs().max() / exact.abs().max()) for n, f in fns.items()}
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(repeats):
+            for name, f in fns.items():
+                t0 = time.perf_counter()
+                f(x, w, b)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        print(f"{rows:>7} x {outs:>5} x {ins:>4}  {best['ours'] * 1e6:>7.0f}us  {best['torch'] * 1e6:>7.0f}us  "
+              f"{best['ours'] / best['torch']:>10.2f}  {2 * rows * outs * ins / best['ours'] / 1e9:>7.0f}  "
+              f"{err['ours']:>8.1e}  {err['torch']:>9.1e}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--fp32", action="store_true", help="the fp32 kernel against torch's fp32 matmul instead")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory()
+    if args.fp32:
+        if native.linear_f32(torch.zeros(1, 2), torch.zeros(1, 2)) is None:
+            raise SystemExit("the fp32 kernel does not run on this CPU (AVX-512 BF16 without AMX only) or is not built")
+        print(f"{args.threads} threads, fp32, minimum of {args.repeats} alternating calls")
+        f32_rows(args.repeats)
+        return
     if native._bf16_gemm() is None:
         raise SystemExit("the bf16 kernels do not run on this CPU (neither AMX nor AVX2) or are not built")
     print(f"{args.threads} threads, minimum of {args.repeats} alternating calls")

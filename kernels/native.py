@@ -368,17 +368,39 @@ def linear_bf16(x, weight, bias=None) -> torch.Tensor | None:
     micro-kernels of gemm/cpu_gemm.cpp (the weight packed on first use), or None where they
     cannot run (another dtype or device, odd K, autograd, or a CPU with neither AMX nor AVX2:
     then torch's matmul)."""
-    ok = x.device.type == "cpu" and x.dtype == weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
-    ok = ok and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # no autograd here
-    ext = _bf16_gemm() if ok and weight.stride(1) == 1 else None
-    if ext is None:
+    ok = x.dtype == weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+    ext = _bf16_gemm() if ok and _plain(x, weight) else None
+    return None if ext is None else _linear(ext.linear_bf16, x, _packed(weight, lambda: ext.pack_bf16(weight)),
+                                           weight.shape[0], bias)
+
+
+def linear_f32(x, weight, bias=None) -> torch.Tensor | None:
+    """F.linear(x, weight, bias) for fp32 x [..., K] and weight [N, K] through gemm/cpu_gemm.cpp's
+    fp32 micro-kernel (the weight packed on first use; each output summed over K in order, the same
+    whatever rows share the call), or None where it does not run (another dtype or device,
+    autograd, or a CPU other than AVX-512 BF16 without AMX: then torch's matmul, MKL's sgemm)."""
+    ext = extension() if x.dtype == weight.dtype == torch.float32 and _plain(x, weight) else None
+    if ext is None or not _f32_gemm_supported(ext):
         return None
-    packed = _packed(weight, lambda: ext.pack_bf16(weight))
+    return _linear(ext.linear_f32, x, _packed(weight, lambda: ext.pack_f32(weight)), weight.shape[0], bias)
+
+
+@functools.cache
+def _f32_gemm_supported(ext) -> bool:
+    return bool(ext.gemm_f32_supported())
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """On CPU, unit stride along K, and no autograd (the packed kernels compute no gradients)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return x.device.type == "cpu" and weight.stride(1) == 1 and not grad
+
+
+def _linear(kernel, x: torch.Tensor, packed: torch.Tensor, n: int, bias) -> torch.Tensor:
     b = EMPTY if bias is None else _f32(bias)
     if x.dim() == 2:  # rows read in place (e.g. a column range of a fused projection's output)
-        return ext.linear_bf16(_rows(x), packed, weight.shape[0], b)
-    out = ext.linear_bf16(_dense(x.reshape(-1, x.shape[-1])), packed, weight.shape[0], b)
-    return out.view(*x.shape[:-1], weight.shape[0])
+        return kernel(_rows(x), packed, n, b)
+    return kernel(_dense(x.reshape(-1, x.shape[-1])), packed, n, b).view(*x.shape[:-1], n)
 
 
 HEAD_PACKS: dict[str, dict] = {}  # heads_bf16's packed weights, one cache per tag

@@ -124,6 +124,32 @@ constexpr auto dot_kernels(std::integer_sequence<int, R...>) {
 }
 constexpr int DOT_ROWS = 8;  // rows a call: 16 accumulators
 constexpr auto DOT = dot_kernels(std::make_integer_sequence<int, DOT_ROWS>{});  // DOT[r - 1]: r rows
+
+// fp32: R rows of a [R, K] (rows lda apart) times a plain block b [K, BN] -> c [R, BN], each output
+// summed over k in order with FMAs, 16 columns a register.
+template <int R>
+void fma_rows_f32(const float* a, int64_t lda, int64_t K, const float* b, float* c) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(b + k * BN), b1 = _mm512_loadu_ps(b + k * BN + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
+      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * BN, acc[r][0]);
+    _mm512_storeu_ps(c + r * BN + 16, acc[r][1]);
+  }
+}
+
+template <int... R>
+constexpr auto fma_f32_kernels(std::integer_sequence<int, R...>) {
+  return std::array{fma_rows_f32<R + 1>...};
+}
+constexpr auto FMA32 = fma_f32_kernels(std::make_integer_sequence<int, DOT_ROWS>{});  // FMA32[r - 1]: r rows
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -183,6 +209,17 @@ void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16*
 #endif
 }
 
+// fp32: C [m, BN] = A [m, K] fp32 (rows lda apart) times plain block B [K, BN], m <= BM (only
+// where gemm_f32_supported()).
+void micro(int64_t m, int64_t K, const float* A, int64_t lda, const float* B, float* C) {
+#if defined(__AVX512BF16__)
+  for (int64_t r = 0; r < m; r += DOT_ROWS)
+    FMA32[std::min<int64_t>(DOT_ROWS, m - r) - 1](A + r * lda, lda, K, B, C + r * BN);
+#else
+  TORCH_CHECK(false, "fp32 micro-kernels: not built for this CPU");
+#endif
+}
+
 // A thread's oneDNN micro-kernel state, released at the end of its work.
 void release() {
   if (onednn_bf16()) cpublas::brgemm_release();
@@ -203,6 +240,16 @@ void store(const float* C, int64_t m, int64_t n, const float* bias, uint16_t* ou
   }
 }
 
+// The same for fp32 outputs.
+void store(const float* C, int64_t m, int64_t n, const float* bias, float* out, int64_t ld) {
+  for (int64_t r = 0; r < m; ++r) {
+    const float* c = C + r * BN;
+    float* o = out + r * ld;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) o[j] = bias ? c[j] + bias[j] : c[j];
+  }
+}
+
 // m rows of A [m, K] times every packed column block, GB blocks at a time into C [GB, BM, BN]
 // fp32, then the group's columns of row r (plus bias) -> out_row(r), bf16. Writing each row's
 // group of columns in one pass rather than 64-byte pieces block by block is what makes wide
@@ -210,15 +257,15 @@ void store(const float* C, int64_t m, int64_t n, const float* bias, uint16_t* ou
 // the lines' read; GB bounds C (128 KB) so that it stays in cache.
 constexpr int64_t GB = 16;
 
-template <typename Row>
-void row_block(const BFloat16* A, int64_t lda, int64_t m, int64_t K, const BFloat16* W, int64_t NB, int64_t N,
+template <typename T, typename Row>
+void row_block(const T* A, int64_t lda, int64_t m, int64_t K, const T* W, int64_t NB, int64_t N,
                const float* bias, float* C, Row out_row) {
   for (int64_t g = 0; g < NB; g += GB) {
     const int64_t nb = std::min(GB, NB - g);
     for (int64_t b = 0; b < nb; ++b)
       micro(m, K, A, lda, W + (g + b) * K * BN, C + b * BM * BN);
     for (int64_t r = 0; r < m; ++r) {
-      uint16_t* o = out_row(r) + g * BN;
+      auto* o = out_row(r) + g * BN;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t n0 = (g + b) * BN;
         store(C + b * BM * BN + r * BN, 1, std::min(BN, N - n0), bias ? bias + n0 : nullptr, o + b * BN, 0);
@@ -255,8 +302,10 @@ at::Tensor pack_bf16(const at::Tensor& w) {
 // (N outputs). At prefill sizes a work item is (head, row block), its rows written whole; with
 // fewer such items than four per thread, (head, row block, column block), column blocks fastest,
 // so that every thread works. The same micro-kernel calls, sums and rounding either way.
-static void matmul_rows(const BFloat16* X, int64_t T, int64_t H, int64_t K, int64_t xr, int64_t xh, const BFloat16* W,
-                 int64_t NB, int64_t N, const float* bias, uint16_t* O, int64_t orow, int64_t oh) {
+// (E: BFloat16 with bf16 outputs as uint16_t bits, or float with fp32 outputs.)
+template <typename E, typename Out>
+static void matmul_rows(const E* X, int64_t T, int64_t H, int64_t K, int64_t xr, int64_t xh, const E* W,
+                        int64_t NB, int64_t N, const float* bias, Out* O, int64_t orow, int64_t oh) {
   const int64_t MB = (T + BM - 1) / BM;
   if (H * MB >= 4 * at::get_num_threads()) {
     at::parallel_for(0, H * MB, 1, [&](int64_t begin, int64_t end) {
@@ -296,6 +345,45 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   matmul_rows(x.data_ptr<BFloat16>(), M, 1, K, x.stride(0), 0, packed.data_ptr<BFloat16>(), NB, N,
               bias.numel() ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>()),
               N, 0);
+  return out;
+}
+
+// Whether this CPU runs the fp32 micro-kernel (AVX-512, on the CPUs where dot_rows runs: AVX-512
+// BF16 without AMX); elsewhere callers keep torch's fp32 matmul.
+bool gemm_f32_supported() {
+#if defined(__AVX512BF16__)
+  return !onednn_bf16();
+#else
+  return false;
+#endif
+}
+
+// w [N, K] fp32 -> packed [ceil(N / BN), K, BN] fp32, plain blocks (column n of block b is row b * BN + n).
+at::Tensor pack_f32(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.stride(1) == 1, "pack_f32: fp32 w [N, K]");
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + BN - 1) / BN;
+  auto out = at::zeros({NB, K, BN}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) dst[(n / BN * K + k) * BN + n % BN] = src[n * w.stride(0) + k];
+  return out;
+}
+
+// linear_bf16's twin for fp32 x [M, K] (unit stride in K, rows any stride apart) and a weight
+// packed by pack_f32: every output one fp32 sum over K in order, the same whatever rows share the call.
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, const at::Tensor& bias) {
+  TORCH_CHECK(gemm_f32_supported(), "linear_f32: not built for this CPU");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) >= x.size(1),
+              "linear_f32: fp32 x [M, K] with unit stride in K");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.size(1) == K && packed.size(2) == BN &&
+                  NB * BN >= N, "linear_f32: packed weight");
+  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == N), "linear_f32: bias [N] fp32");
+  auto out = at::empty({M, N}, x.options());
+  if (!M) return out;
+  matmul_rows(x.data_ptr<float>(), M, 1, K, x.stride(0), 0, packed.data_ptr<float>(), NB, N,
+              bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, 0);
   return out;
 }
 

@@ -2,12 +2,15 @@
 run as one matmul.
 
 `linear` is F.linear, except for bf16 on CPUs with the compiled bf16 micro-kernels
-(kernels/gemm/cpu_gemm.cpp: oneDNN's with AMX, its own with AVX2). With AMX, torch's matmul
-builds a oneDNN primitive for every new row count (3-6 ms at prefill sizes, and every round
-has another) and costs 25-50 us at decode sizes: there each weight is packed once and
-multiplied in 4-10 us at decode sizes, with the same bits (fp32 sums rounded once to bf16).
-With AVX2 only, torch's bf16 matmul has no vector kernel: the AVX2 micro-kernel is 4-9x
-faster, its outputs within a bf16 step of torch's (fp32 sums in its own order, rounded once).
+(kernels/gemm/cpu_gemm.cpp: oneDNN's with AMX, its own with AVX-512 BF16 or AVX2). With AMX,
+torch's matmul builds a oneDNN primitive for every new row count (3-6 ms at prefill sizes, and
+every round has another) and costs 25-50 us at decode sizes: there each weight is packed once
+and multiplied in 4-10 us at decode sizes, with the same bits (fp32 sums rounded once to bf16).
+Elsewhere our own micro-kernels run (`vdpbf16ps` with AVX-512 BF16, 2.5x the AVX2 one's speed;
+with AVX2 only, where torch's bf16 matmul has no vector kernel, 4-9x torch's), their outputs
+within a bf16 step of torch's (fp32 sums in their own order, rounded once). fp32 runs through
+an fp32 micro-kernel of the same drivers on AVX-512 BF16 CPUs without AMX (AMD Zen 4), where
+it takes 0.6-0.9x the time of torch's (MKL's) sgemm; elsewhere fp32 is F.linear.
 `Linear` is nn.Linear running `linear`; the models build their projections from it.
 
 At decode sizes a matmul's fixed cost (dispatch, oneDNN's primitive lookup) outweighs its
@@ -33,8 +36,8 @@ from kernels import native
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the packed bf16 micro-kernels where they run."""
-    out = native.linear_bf16(x, weight, bias)
+    """F.linear, through the packed bf16 or fp32 micro-kernels where they run."""
+    out = (native.linear_f32 if x.dtype == torch.float32 else native.linear_bf16)(x, weight, bias)
     return F.linear(x, weight, bias) if out is None else out
 
 

@@ -116,13 +116,55 @@ def test_heads_equal_torch_einsum_bit_for_bit(tokens):
     assert not native.heads_bf16(q.float(), w_uk.float().transpose(1, 2), out.float()[..., :n])  # fp32: torch's
 
 
+needs_f32_gemm = pytest.mark.skipif(native.extension() is None or not native.extension().gemm_f32_supported(),
+                                    reason="no fp32 micro-kernel on this CPU (AVX-512 BF16 without AMX only)")
+
+
+@needs_f32_gemm
+@pytest.mark.parametrize("rows", [0, 1, 5, 33, 64, 65, 700])
+@pytest.mark.parametrize("outs", [1, 40, 100])
+def test_f32_linear_is_each_dot_product_summed_in_fp32(rows, outs):
+    """The fp32 kernel: every output its exact dot product (plus bias) up to fp32 summation error,
+    for whole and partial row and column blocks, with and without a bias, on a weight that is a
+    row range of a larger stack and inputs with leading batch dims."""
+    gen = torch.Generator().manual_seed(rows * 100 + outs)
+    stack = torch.randn(outs + 20, 96, generator=gen)
+    w, b = stack[10 : 10 + outs], torch.randn(outs, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    for bias in (None, b):
+        got = linear(x.view(1, rows, 96), w, bias)
+        assert got.shape == (1, rows, outs) and got.dtype == torch.float32
+        exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        bound = 100 * 2**-24 * (x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs()))
+        assert bool(((got[0].double() - exact).abs() <= bound + 1e-30).all())
+
+
+@needs_f32_gemm
+def test_f32_linear_rows_do_not_depend_on_the_batch_and_read_columns_in_place():
+    """A row's fp32 outputs are the same bits whatever rows share its call (prefill sizes split
+    by whole row blocks, decode sizes by column blocks), and a column range of a wider tensor is
+    read in place with the bits of its contiguous copy."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(100, 64, generator=gen)
+    wide = torch.randn(1100, 200, generator=gen)
+    x = wide[:, 100:164]
+    full = native.linear_f32(x, w)
+    assert torch.equal(full, native.linear_f32(x.contiguous(), w))
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 40), slice(64, 130), slice(37, 1037)):
+        assert torch.equal(native.linear_f32(x[rows], w), full[rows])
+
+
 def test_linear_falls_back_to_torch_where_the_kernels_do_not_run():
-    """fp32, odd input widths and autograd go to F.linear (None from the wrapper)."""
+    """For the bf16 kernels fp32, odd input widths and autograd go to F.linear (None from the
+    wrapper); for the fp32 one other dtypes and autograd."""
     x = torch.randn(4, 9)
     assert native.linear_bf16(x, torch.randn(3, 9)) is None
     assert native.linear_bf16(x.bfloat16(), torch.randn(3, 9).bfloat16()) is None
     w = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
     assert native.linear_bf16(torch.randn(4, 8).bfloat16(), w) is None
+    assert native.linear_f32(x.bfloat16(), torch.randn(3, 9).bfloat16()) is None  # not fp32
+    assert native.linear_f32(torch.randn(4, 8), w.float().detach().requires_grad_()) is None  # autograd
+    assert native.linear_f32(torch.randn(4, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)) is None
     layer = Linear(9, 3)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
