@@ -21,6 +21,7 @@ difference, where whole runs side by side spread more than the change.
 
 The cases are the decode-step and prefill kernels at the peer benchmark's sizes (64 sequences
 of 1,024 shared + 320 own keys; prefill steps of 256-query segments over the 1,024 shared keys,
+or of whole 1,280-query sequences with nothing cached,
 alone or beside decode rows; the built-in Kimi model's and Qwen3-Next's layer shapes), and the
 bf16 projection and MoE layer, each module packing its own weights. In `--engine` mode both
 modules get the engine's arguments, packed weights included, so kernels taking those compare
@@ -157,6 +158,8 @@ CASES: dict[str, Case] = {
     "prefill gqa bf16 8x256 + 56 decode": prefill_case("gqa", torch.bfloat16, 8, 56),
     "prefill gqa bf16 16x256": prefill_case("gqa", torch.bfloat16, 16, 0),
     "prefill mla-expanded bf16 16x256": prefill_case("mla-expanded", torch.bfloat16, 16, 0),
+    "prefill gqa bf16 4x1280, no prefix": prefill_case("gqa", torch.bfloat16, 4, 0, shared=0, own=1280),
+    "prefill gqa fp32 4x1280, no prefix": prefill_case("gqa", torch.float32, 4, 0, shared=0, own=1280),
     "conv_step bf16 768": conv_case(torch.bfloat16, 768),
     "conv_step fp32 768": conv_case(torch.float32, 768),
     "delta_step kda": delta_case("kda"),

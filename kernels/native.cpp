@@ -42,6 +42,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& pages, const at::Tensor& cu_seqlens, const at::Tensor& seq_lens,
                          double scale, int64_t dv);
+bool paged_prefill_packed(int64_t dk, int64_t dv);
 at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                       const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, double scale);
 std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -95,6 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, nogil, "attention decode over paged KV (kernels/attention/cpu_decode.cpp)");
   m.def("paged_prefill", &paged_prefill, nogil, "causal attention of query blocks over paged KV (kernels/attention/cpu_prefill.cpp)");
+  m.def("paged_prefill_packed", &paged_prefill_packed, "whether bf16 paged_prefill runs over packed key blocks here");
   m.def("delta_step", &delta_step, nogil, "KDA / GDN decode step, states in place (kernels/attention/cpu_decode.cpp)");
   m.def("chunk_delta_rule", &chunk_delta_rule, nogil, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
   m.def("chunk_ssd", &chunk_ssd, nogil, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");

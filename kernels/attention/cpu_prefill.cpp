@@ -4,7 +4,9 @@
 // queries): the R query heads of the KV head are stacked into one [R * QB, Dk] block, key
 // blocks are read from the pages into fp32 rows and the block's softmax runs online (running
 // max and sum per row, the accumulator rescaled), so no [queries, keys] score matrix is kept.
-// The score and value products go through mm (matmul.h). fp32 throughout; o is fp32.
+// The score and value products go through mm (matmul.h). fp32 throughout; o is fp32. bf16
+// queries and caches on CPUs with bf16 micro-kernels (AMX, or AVX-512 BF16) run prefill_packed
+// instead: bf16 products over key blocks packed once.
 // Pages cached before the queries of every sequence and shared by all of them (shared_pages.h)
 // run first, for the whole batch at once (prefill_shared): there every query sees every key.
 #include <torch/extension.h>
@@ -25,6 +27,7 @@
 #include <numeric>
 #include <vector>
 
+#include "../gemm/dot.h"
 #include "../matmul.h"
 
 namespace {
@@ -224,6 +227,30 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
 
 constexpr int64_t AKB = 128, AM = 32;
 
+// oneDNN's bf16 micro-kernels run on this CPU (AMX)
+bool onednn() {
+  static const bool yes = at::native::cpublas::could_pack(at::kBFloat16);
+  return yes;
+}
+
+// Whether bf16 prefill runs over packed key blocks on this CPU (prefill_packed), for dk and dv
+bool packed_runs(int64_t dk, int64_t dv) {
+  if (dk % 2 || dv % 2) return false;
+#if defined(__AVX512BF16__)
+  if (!onednn()) return dv % DOT_COLS == 0;
+#endif
+  return onednn();
+}
+
+// C [m, n] fp32 (rows n apart) = (add: C +) A [m, K] bf16 (rows K apart) times B [K, n] in VNNI
+// pairs [K / 2, n, 2]: oneDNN's micro-kernel, or dot_mm
+void packed_mm(int64_t m, int64_t n, int64_t K, const c10::BFloat16* A, const c10::BFloat16* B, float* C, bool add) {
+#if defined(__AVX512BF16__)
+  if (!onednn()) return dot_mm(m, n, K, A, K, B, 2 * n, C, n, add);
+#endif
+  at::native::cpublas::brgemm(m, n, K, K, n, n, add, A, B, C);
+}
+
 // softmax_rows for the micro-kernel path: raw scores in, `scale` (> 0) folded into the exponent, the
 // numerators written as bf16 straight into P (rows of AKB; 0 past what a query sees) and summed
 // before rounding.
@@ -252,14 +279,14 @@ void numerators_bf16(const float* S, c10::BFloat16* P, int64_t M, int64_t rows, 
   }
 }
 
-// bf16 with oneDNN's micro-kernels (AMX): first the keys and values of every (sequence, KV head)
-// are laid out once per block of AKB keys, K^T and V each in the VNNI layout the micro-kernel
-// reads (zero past the sequence's keys), one packed block for all the sequences whose block
-// reads the same pages (a cached prefix shared by the batch is packed once, not once per
-// sequence); then each job's scores and value products run on the packed blocks, queries AM
-// rows per call, the softmax in fp32 as above and its numerators rounded to bf16 for the value
-// product (as flash attention rounds them).
-void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
+// bf16 over packed key blocks: first the keys and values of every (sequence, KV head) are laid
+// out once per block of AKB keys, K^T and V each in VNNI pairs [K / 2, N, 2] (zero past the
+// sequence's keys), one packed block for all the sequences whose block reads the same pages (a
+// cached prefix shared by the batch is packed once, not once per sequence); then each job's
+// scores and value products run on the packed blocks, queries AM rows per call, through oneDNN's
+// micro-kernels (AMX) or dot_mm (gemm/dot.h: AVX-512 BF16), the softmax in fp32 as above and its
+// numerators rounded to bf16 for the value product (as flash attention rounds them).
+void prefill_packed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
                  const std::vector<int64_t>& cu, const std::vector<int64_t>& lens, float scale, int64_t Dv, float* op) {
   using T = c10::BFloat16;
   namespace cpublas = at::native::cpublas;
@@ -285,7 +312,7 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       base[n * Hkv + g + 1] = static_cast<int64_t>(slot.size());
     }
   const int64_t B = static_cast<int64_t>(blocks.size());
-  // The micro-kernel's B layout is [K / 2][N][2] (pairs along K): K^T's is the transpose of the key
+  // The micro-kernels' B layout is [K / 2][N][2] (pairs along K): K^T's is the transpose of the key
   // rows in 32-bit units (a row's channel pairs), V's interleaves pairs of consecutive key rows.
   std::vector<uint32_t> kt(B * (Dk / 2) * AKB), vv(B * (AKB / 2) * Dv);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -337,20 +364,23 @@ void prefill_amx(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc
       for (int64_t k0 = 0; k0 <= last; k0 += AKB) {
         const int64_t kb = std::min(AKB, last + 1 - k0), blk = slot[first + k0 / AKB];
         for (int64_t m0 = 0; m0 < M; m0 += AM)
-          cpublas::brgemm(std::min(AM, M - m0), AKB, Dk, Dk, AKB, AKB, false, Q.data() + m0 * Dk,
-                          reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB);
+          packed_mm(std::min(AM, M - m0), AKB, Dk, Q.data() + m0 * Dk,
+                    reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB, false);
         numerators_bf16(S.data(), num.data(), M, rows, pos.data(), k0, kb, scale, m.data(), l.data(), acc.data(), Dv);
         for (int64_t m0 = 0; m0 < M; m0 += AM)
-          cpublas::brgemm(std::min(AM, M - m0), Dv, AKB, AKB, Dv, Dv, true, num.data() + m0 * AKB,
-                          reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv), acc.data() + m0 * Dv);
+          packed_mm(std::min(AM, M - m0), Dv, AKB, num.data() + m0 * AKB,
+                    reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv), acc.data() + m0 * Dv, true);
       }
       finish(acc.data(), l.data(), R, rows, Dv, op + ((cu[job.n] + job.q0) * H + job.g * R) * Dv, H * Dv);
     }
-    cpublas::brgemm_release();
+    if (onednn()) cpublas::brgemm_release();
   }
 }
 
 }  // namespace
+
+// Whether bf16 queries of dk channels and values of dv run prefill_packed on this CPU
+bool paged_prefill_packed(int64_t dk, int64_t dv) { return packed_runs(dk, dv); }
 
 // q [T, H, Dk] contiguous (fp32 or bf16); k_cache [P, page, Hkv, Dk] and v_cache [P, page, Hkv,
 // >= dv] in q's dtype with contiguous last dims (v_cache may be k_cache itself: MLA latents);
@@ -373,10 +403,8 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     TORCH_CHECK(lens[n] >= cu[n + 1] - cu[n], "paged_prefill: seq_lens >= each sequence's queries");
   auto pages_c = pages.to(at::kLong).contiguous();
   auto out = at::empty({q.size(0), q.size(1), dv}, q.options().dtype(at::kFloat));
-  const bool amx = q.scalar_type() == at::kBFloat16 && q.size(2) % 2 == 0 && dv % 2 == 0 && scale > 0 &&
-                   at::native::cpublas::could_pack(at::kBFloat16);
-  if (amx) {
-    prefill_amx(q, k_cache, v_cache, pages_c, cu, lens, static_cast<float>(scale), dv, out.data_ptr<float>());
+  if (q.scalar_type() == at::kBFloat16 && scale > 0 && packed_runs(q.size(2), dv)) {
+    prefill_packed(q, k_cache, v_cache, pages_c, cu, lens, static_cast<float>(scale), dv, out.data_ptr<float>());
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "paged_prefill", [&] {

@@ -21,7 +21,7 @@
 // absorbed query and value projections, models/kimi_linear.py).
 //
 // CPUs without bf16 micro-kernels in oneDNN (no AMX) run the same drivers over a micro-kernel of
-// our own. With AVX-512 BF16 (`dot_rows`, e.g. AMD Zen 4) the packed blocks are in the same VNNI
+// our own. With AVX-512 BF16 (`dot_rows`, gemm/dot.h, e.g. AMD Zen 4) the packed blocks are in the same VNNI
 // pairs [K / 2, BN, 2] and each step multiplies a pair of k for 16 columns in one instruction
 // (vdpbf16ps), straight from the bf16 rows and block. With AVX2 only (`fma_rows`) the blocks are
 // plain [K, BN] bf16; a call widens its rows and its block to fp32 and sums over K in order with
@@ -47,6 +47,7 @@
 
 #include "../denormal.h"
 #include "../widen.h"
+#include "dot.h"
 
 #include <algorithm>
 #include <array>
@@ -95,36 +96,6 @@ void pack_into(const BFloat16* w, int64_t ldw, int64_t N, int64_t K, BFloat16* o
 }
 
 #if defined(__AVX512BF16__)
-// R rows of a [R, K] bf16 (rows lda apart, K even) times a block b in VNNI pairs -> c [R, BN] fp32
-// (rows BN apart): per pair of k, each row's two values broadcast against the block's 2 x 16
-// columns; every output summed over k in one fixed order (within a pair as vdpbf16ps does).
-template <int R>
-void dot_rows(const BFloat16* a, int64_t lda, int64_t K, const BFloat16* b, float* c) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 2) {
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + k * BN), b1 = (__m512bh)_mm512_loadu_si512(b + k * BN + BN);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, a + r * lda + k, sizeof(pair));
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * BN, acc[r][0]);
-    _mm512_storeu_ps(c + r * BN + 16, acc[r][1]);
-  }
-}
-
-template <int... R>
-constexpr auto dot_kernels(std::integer_sequence<int, R...>) {
-  return std::array{dot_rows<R + 1>...};
-}
-constexpr int DOT_ROWS = 8;  // rows a call: 16 accumulators
-constexpr auto DOT = dot_kernels(std::make_integer_sequence<int, DOT_ROWS>{});  // DOT[r - 1]: r rows
-
 // fp32: R rows of a [R, K] (rows lda apart) times a plain block b [K, BN] -> c [R, BN], each output
 // summed over k in order with FMAs, 16 columns a register.
 template <int R>
@@ -185,8 +156,7 @@ void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16*
     return;
   }
 #if defined(__AVX512BF16__)
-  for (int64_t r = 0; r < m; r += DOT_ROWS)
-    DOT[std::min<int64_t>(DOT_ROWS, m - r) - 1](A + r * lda, lda, K, B, C + r * BN);
+  dot_mm(m, BN, K, A, lda, B, 2 * BN, C, BN, false);
 #elif defined(__AVX2__) && defined(__FMA__)
   thread_local std::vector<float> a, b;
   a.resize(m * K);

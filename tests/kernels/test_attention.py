@@ -178,6 +178,23 @@ def test_bf16_inputs():
     assert rel_err(o, ref) < 1e-2
 
 
+@pytest.mark.parametrize("heads,dims,latent", [((4, 2), (64, 64), False), ((4, 4), (96, 64), False),
+                                               ((4, 1), (160, 128), True)], ids=["gqa", "mla-expanded", "mla"])
+def test_bf16_at_model_sizes(heads, dims, latent):
+    """bf16 at the peer models' head sizes (where CPUs with bf16 micro-kernels run the compiled
+    kernel over packed 128-key blocks): sequences that end inside, at and one past a key block,
+    query blocks cut inside a sequence, cached prefixes and decode rows, all within bf16 rounding
+    of the fp32 reference on the same values."""
+    seq_lens, q_lens = [300, 129, 256, 70, 1, 200], [300, 65, 3, 6, 1, 0]
+    b = make_batch(seq_lens, q_lens, heads, 16, dims, latent, dtype=torch.bfloat16, seed=11)
+    dv = dims[1] if latent else None
+    o = paged_attention(*b.args(), scale=dims[0] ** -0.5, v_dim=dv)
+    up = lambda t: None if t is None else t.float()  # noqa: E731
+    ref = naive_paged_attention(b.q.float(), b.k_cache.float(), up(b.v_cache), *b.args()[3:], scale=dims[0] ** -0.5,
+                                v_dim=dv)
+    assert o.dtype == torch.bfloat16 and rel_err(o, ref) < 1e-2
+
+
 def test_slot_mapping_by_hand():
     """Slots are page * page_size + row of each new token's position (hand-computed case)."""
     table = torch.tensor([[3, 0, -1], [5, 1, 2]])

@@ -237,11 +237,11 @@ def test_conv_kernels_read_a_column_range_in_place(dtype):
 @needs_kernel
 @pytest.mark.parametrize("kv_heads,dk,dv", [(2, 64, 64), (1, 160, 128)], ids=["gqa", "mla"])
 def test_prefill_over_shared_pages_equals_private_copies(kv_heads, dk, dv):
-    """Sequences whose page tables share prefix pages (packed once for all of them on CPUs with
-    AMX; elsewhere run for the whole batch at once where every sequence has them cached) get what
-    they get when each reads its own copy of those pages: bit for bit with AMX, within fp32
-    rounding (another order of the same sums) elsewhere; with key counts that end inside, at and
-    past the shared pages, and MLA's values read from the keys."""
+    """Sequences whose page tables share prefix pages (bf16 packed once for all of them on CPUs
+    with AMX or AVX-512 BF16; elsewhere run for the whole batch at once where every sequence has
+    them cached) get what they get when each reads its own copy of those pages: bit for bit where
+    packed, within fp32 rounding (another order of the same sums) elsewhere; with key counts that
+    end inside, at and past the shared pages, and MLA's values read from the keys."""
     gen = torch.Generator().manual_seed(8)
     ps, shared, lens, new = 16, 10, [150, 160, 200, 300], [6, 20, 64, 1]  # 128-key blocks: the first shared
     own = [(n - 1) // ps + 1 - shared for n in lens]  # pages past the shared ones
@@ -262,7 +262,7 @@ def test_prefill_over_shared_pages_equals_private_copies(kv_heads, dk, dv):
     cu, seq_lens = torch.tensor([0, *new]).cumsum(0), torch.tensor(lens)
     got = native.paged_prefill(q, k, v, pad(table), cu, seq_lens, dk**-0.5, dv)
     want = native.paged_prefill(q, k2, v2, pad(copies), cu, seq_lens, dk**-0.5, dv)
-    if native.extension().gemm_bf16_onednn():  # the AMX path (the same switch as the bf16 gemm's)
+    if native.extension().paged_prefill_packed(dk, dv):  # blocks packed once (AMX or AVX-512 BF16)
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

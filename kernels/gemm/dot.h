@@ -1,0 +1,67 @@
+// The AVX-512 BF16 micro-kernel (vdpbf16ps) of the compiled CPU kernels, for CPUs where oneDNN
+// has no bf16 micro-kernels (no AMX): the bf16 matmuls of gemm/cpu_gemm.cpp and the packed
+// prefill attention of attention/cpu_prefill.cpp. B is read in VNNI pairs: pair p of k (k = 2p,
+// 2p + 1) of 32 columns is 64 bf16 at b + p * ldb, column j's two values at 2j and 2j + 1 (ldb =
+// 64 for one packed 32-column block [K / 2, 32, 2]; 2N for a whole [K / 2, N, 2] matrix, its
+// column block j at b + 64j). Every output is one fp32 sum over k in a fixed order (within a
+// pair as vdpbf16ps adds), whatever rows share the call.
+#pragma once
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+constexpr int64_t DOT_COLS = 32;  // columns a call
+constexpr int DOT_ROWS = 8;       // rows a call: 16 accumulators
+
+// R rows of A [R, K] bf16 (rows lda apart, K even) times 32 columns of B -> c [R, 32] fp32 (rows
+// ldc apart), stored, or added to what c holds (add): per pair of k, each row's two values
+// broadcast against the 2 x 16 columns.
+template <int R>
+void dot_rows(const c10::BFloat16* a, int64_t lda, int64_t K, const c10::BFloat16* b, int64_t ldb, float* c,
+              int64_t ldc, bool add) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) acc[r][h] = add ? _mm512_loadu_ps(c + r * ldc + 16 * h) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    const c10::BFloat16* pair = b + k / 2 * ldb;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(pair), b1 = (__m512bh)_mm512_loadu_si512(pair + DOT_COLS);
+    for (int r = 0; r < R; ++r) {
+      int32_t two;
+      std::memcpy(&two, a + r * lda + k, sizeof(two));
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(two);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
+    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
+  }
+}
+
+template <int... R>
+constexpr auto dot_kernels(std::integer_sequence<int, R...>) {
+  return std::array{dot_rows<R + 1>...};
+}
+constexpr auto DOT = dot_kernels(std::make_integer_sequence<int, DOT_ROWS>{});  // DOT[r - 1]: r rows
+
+// C [m, n] fp32 (rows ldc apart) = (add: C +) A [m, K] bf16 (rows lda apart) times B [K, n] in
+// VNNI pairs (ldb apart), n a multiple of 32: eight rows by 32 columns a call.
+inline void dot_mm(int64_t m, int64_t n, int64_t K, const c10::BFloat16* A, int64_t lda, const c10::BFloat16* B,
+                   int64_t ldb, float* C, int64_t ldc, bool add) {
+  for (int64_t r = 0; r < m; r += DOT_ROWS)
+    for (int64_t j = 0; j < n; j += DOT_COLS)
+      DOT[std::min<int64_t>(DOT_ROWS, m - r) - 1](A + r * lda, lda, K, B + 2 * j, ldb, C + r * ldc + j, ldc, add);
+}
+
+}  // namespace
+#endif
