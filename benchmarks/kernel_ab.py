@@ -155,6 +155,7 @@ CASES: dict[str, Case] = {
     "decode mla bf16 0+320": decode_case("mla", torch.bfloat16, 0, 320),
     "decode gqa bf16 1024+320": decode_case("gqa", torch.bfloat16, 1024, 320),
     "decode gqa fp32 0+320": decode_case("gqa", torch.float32, 0, 320),
+    "decode gqa bf16 0+1344": decode_case("gqa", torch.bfloat16, 0, 1344),
     "prefill gqa bf16 8x256 + 56 decode": prefill_case("gqa", torch.bfloat16, 8, 56),
     "prefill gqa bf16 16x256": prefill_case("gqa", torch.bfloat16, 16, 0),
     "prefill mla-expanded bf16 16x256": prefill_case("mla-expanded", torch.bfloat16, 16, 0),

@@ -31,6 +31,15 @@ void widen(const T* src, int64_t ld, int64_t n, int64_t D, float* dst) {
     for (int64_t d = 0; d < D; ++d) dst[t * D + d] = as_float(src[t * ld + d]);
 }
 
+// q (fp32) . k (a cache row, read in place) over D channels
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += q[d] * as_float(k[d]);
+  return s;
+}
+
 // The online softmax of R query rows over one block of n keys whose scores are in p (rows of ld):
 // running max m and sum l per row, the accumulator rows acc (Dv each) rescaled; p becomes the
 // block's numerators.
@@ -40,16 +49,17 @@ inline void softmax_block(float* p, int64_t ld, int64_t rows, int64_t n, float* 
 
 constexpr int64_t SHARED_ROWS = 128;  // query rows (sequences x R) per job over the shared pages
 constexpr int64_t KEYS = 256;         // a sequence's own keys per step (whole pages, at least one)
+constexpr int64_t AHEAD = 8;          // own keys: rows prefetched this many keys ahead
 
 // Decode attention, one query per sequence. The pages all sequences share come first, as
 // matmuls: per (KV head, block of sequences), the block's R * rows queries against each step of
 // up to KEYS shared keys (widened to fp32 once per job), so a prefix common to the batch costs a
 // matmul instead of a pass per sequence. Then one job per (sequence, KV head) continues the same
 // online softmax (running max and sum per query head, the accumulator rescaled) over its own
-// pages in steps of up to KEYS keys: the step's keys and values widened to fp32 rows (across
-// page boundaries), then one matmul for the R query heads' scores and one for their values.
-// Against a dot product and an axpy per key and query head, this takes 0.72-0.97x the time with
-// 100-1,344 own keys per sequence (64 sequences). No score row of a whole sequence is kept.
+// pages in steps of up to KEYS keys: each key's R scores as dot products with its row read in
+// place, the step's softmax, then each value row added into the R accumulators. (With R query
+// rows a matmul is no better than these loops, and widening the step's rows to fp32 for it cost
+// more than the products.) No score row of a whole sequence is kept.
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
             const at::Tensor& lens, double scale, at::Tensor& out) {
@@ -92,6 +102,25 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       }
     };
     const float* values = latent ? kb.data() : vb.data();
+    // visit(i, key row, value row) for the keys t0 + i, i < cnt, of KV head g, read in place
+    auto each_key = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt, auto visit) {
+      for (int64_t t = t0; t < t0 + cnt;) {
+        const int64_t page = table[t / page_size], row = t % page_size;
+        const int64_t run = std::min(page_size - row, t0 + cnt - t);
+        const T* key = kp + page * k_page + row * k_row + g * k_head;
+        const T* value = latent ? key : vp + page * v_page + row * v_row + g * v_head;
+        const int64_t ld = latent ? k_row : v_row;
+        for (int64_t i = 0; i < run; ++i) {
+          if (i + AHEAD < run)  // the row AHEAD keys on: a row is read whole, lines every 64 bytes
+            for (int64_t b = 0; b < Dk * int64_t(sizeof(T)); b += 64) {
+              __builtin_prefetch(reinterpret_cast<const char*>(key + (i + AHEAD) * k_row) + b);
+              if (!latent) __builtin_prefetch(reinterpret_cast<const char*>(value + (i + AHEAD) * ld) + b);
+            }
+          visit(t - t0 + i, key + i * k_row, value + i * ld);
+        }
+        t += run;
+      }
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < J1; ++job) {  // the shared pages: rows (n, r) of one KV head at once
       const int64_t g = job % Hkv, n0 = job / Hkv * seqs, ns = std::min(seqs, N - n0), rows = ns * R;
@@ -124,10 +153,18 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       for (int64_t i = 0; i < R * Dk; ++i) qf[i] = as_float(qp[(n * H + g * R) * Dk + i]) * sc;
       for (int64_t t0 = shared * page_size; t0 < L; t0 += block) {
         const int64_t cnt = std::min(block, L - t0);
-        widen_step(table, g, t0, cnt);
-        mm(false, true, R, cnt, Dk, 1.f, qf.data(), Dk, kb.data(), Dk, 0.f, p.data(), block);
+        each_key(table, g, t0, cnt, [&](int64_t i, const T* key, const T*) {  // the R scores of each key
+          for (int64_t r = 0; r < R; ++r) p[r * block + i] = dot(qf.data() + r * Dk, key, Dk);
+        });
         softmax_block(p.data(), block, R, cnt, mg, lg, a, Dv);
-        mm(false, false, R, Dv, cnt, 1.f, p.data(), block, values, ldv, 1.f, a, Dv);
+        each_key(table, g, t0, cnt, [&](int64_t i, const T*, const T* value) {  // its value row, weighted
+          for (int64_t r = 0; r < R; ++r) {
+            const float w = p[r * block + i];
+            float* ar = a + r * Dv;
+#pragma omp simd
+            for (int64_t d = 0; d < Dv; ++d) ar[d] += w * as_float(value[d]);
+          }
+        });
       }
       for (int64_t r = 0; r < R; ++r)
         for (int64_t d = 0; d < Dv; ++d) a[r * Dv + d] /= lg[r];
