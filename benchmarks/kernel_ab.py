@@ -14,8 +14,9 @@ revision: the build is cached like any other); `--old` loads a module built befo
 
 `--engine MODEL` (builtin, or a peer checkpoint: qwen3-next, nemotron-h, built under
 `--cache`) runs the peer benchmark's workload once through the engine instead, every call of
-the named kernels made on both modules (which goes first alternating from call to call; the
-engine carries on with the new module's output), and prints each kernel's summed time per
+the named kernels made on both modules (which goes first alternating from call to call; a
+kernel that advances states in place starts from the same states on both; the engine carries
+on with the new module's outputs and states), and prints each kernel's summed time per
 module: a change measured on the calls a real run makes, with no other engine code in the
 difference, where whole runs side by side spread more than the change.
 
@@ -200,8 +201,11 @@ def load(path: Path):
 
 
 def largest_difference(a, b) -> float:
+    """Over the outputs two calls returned (0 for none: a kernel that writes into an argument,
+    such as heads_bf16, is timed but not compared)."""
     a, b = (a if isinstance(a, (tuple, list)) else (a,)), (b if isinstance(b, (tuple, list)) else (b,))
-    return max((x.float() - y.float()).abs().max().item() if x.numel() else 0.0 for x, y in zip(a, b))
+    return max((x.float() - y.float()).abs().max().item() if x is not None and x.numel() else 0.0
+               for x, y in zip(a, b))
 
 
 def compare(name: str, case: Case, old, new, repeats: int) -> dict:
@@ -226,8 +230,16 @@ def compare(name: str, case: Case, old, new, repeats: int) -> dict:
             "ratio": best["new"] / best["old"], "max_diff": diff}
 
 
+# kernels that advance states in place: (index of the states argument, index of the slots
+# argument, or None where every state in it is advanced)
+IN_PLACE = {"delta_step": (5, 6), "conv_step": (3, 4), "ssd_step": (6, 7), "chunk_delta_rule": (5, None),
+            "chunk_ssd": (6, None)}
+
+
 class Both:
-    """The new module, except that each call of `kernels` also runs on the old one, timed."""
+    """The new module, except that each call of `kernels` also runs on the old one, timed. Where a
+    kernel advances states in place, the second call starts from the states the first one was
+    given, and the engine carries on with the new module's states."""
 
     def __init__(self, old, new, kernels: list[str]):
         self.old, self.new, self.kernels, self.flip = old, new, kernels, False
@@ -241,11 +253,20 @@ class Both:
         def call(*args):
             self.flip = not self.flip
             sides = [("new", self.new), ("old", self.old)]
-            outs = {}
+            state, slots = IN_PLACE.get(name, (None, None))
+            rows = slice(None) if slots is None else args[slots]
+            before = None if state is None else args[state][rows].clone()
+            outs, after = {}, {}
             for side, ext in sides if self.flip else sides[::-1]:
+                if before is not None and outs:  # the second call: from the states the first was given
+                    args[state][rows] = before
                 t0 = time.perf_counter()
                 outs[side] = getattr(ext, name)(*args)
                 row[f"{side}_s"] += time.perf_counter() - t0
+                if before is not None:
+                    after[side] = args[state][rows].clone()
+            if before is not None:
+                args[state][rows] = after["new"]
             row["calls"] += 1
             row["max_diff"] = max(row["max_diff"], largest_difference(outs["old"], outs["new"]))
             return outs["new"]

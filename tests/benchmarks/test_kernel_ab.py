@@ -4,6 +4,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import kernel_ab
 from kernels import native
@@ -51,3 +52,23 @@ def test_engine_mode_refuses_an_unknown_model_or_kernel(bad, message, capsys):
     with pytest.raises(SystemExit):
         kernel_ab.main(["--old", str(Path(native.extension().__file__)), *bad])
     assert message in capsys.readouterr().err
+
+
+def test_engine_mode_gives_both_modules_the_same_states_and_keeps_the_new_ones():
+    """A kernel that advances states in place (here delta_step's `state[slots]`) runs on both
+    modules from the states the engine gave it, whichever goes first; the engine carries on with
+    the new module's states, other slots untouched; a kernel that returns nothing is timed only."""
+    def module(step: float):
+        def delta_step(q, k, v, g, beta, state, slots, scale):
+            state[slots] += step
+            return state[slots].clone()
+        return types.SimpleNamespace(delta_step=delta_step, heads_bf16=lambda *a: None)
+
+    both = kernel_ab.Both(module(2.0), module(1.0), ["delta_step", "heads_bf16"])
+    state, slots = torch.zeros(4, 3), torch.tensor([2, 0])
+    for calls in (1, 2):  # the new module first, then the old one first
+        out = both.delta_step(None, None, None, None, None, state, slots, 1.0)
+        assert torch.equal(out, torch.full((2, 3), float(calls)))
+        assert torch.equal(state[slots], torch.full((2, 3), float(calls))) and not state[[1, 3]].any()
+        assert both.rows["delta_step"]["max_diff"] == 1.0 and both.rows["delta_step"]["calls"] == calls
+    assert both.heads_bf16(None) is None and both.rows["heads_bf16"]["max_diff"] == 0
