@@ -90,25 +90,28 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
     const int64_t rows_max = std::max(seqs, int64_t{1}) * R;
     std::vector<float> qf(rows_max * Dk), p(rows_max * block), acc(rows_max * Dv);
     std::vector<float> kb(block * Dk), vb(block * Dv);  // a step's keys and values, fp32
-    // keys t0 .. t0 + cnt - 1 of KV head g of the sequence with this page table into kb (values into
-    // vb, unless they are the keys' first channels), a page's run at a time
-    auto widen_step = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt) {
+    // f(i, key row, value row, run) for each page's run of the keys t0 + i .. t0 + i + run - 1 of
+    // KV head g of the sequence with this page table (rows k_row and v_row apart)
+    auto page_runs = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt, auto f) {
       for (int64_t t = t0; t < t0 + cnt;) {
         const int64_t page = table[t / page_size], row = t % page_size;
         const int64_t run = std::min(page_size - row, t0 + cnt - t);
-        widen(kp + page * k_page + row * k_row + g * k_head, k_row, run, Dk, kb.data() + (t - t0) * Dk);
-        if (!latent) widen(vp + page * v_page + row * v_row + g * v_head, v_row, run, Dv, vb.data() + (t - t0) * Dv);
+        f(t - t0, kp + page * k_page + row * k_row + g * k_head, vp + page * v_page + row * v_row + g * v_head, run);
         t += run;
       }
+    };
+    // keys t0 .. t0 + cnt - 1 into kb as fp32 rows (values into vb, unless they are the keys' first channels)
+    auto widen_step = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt) {
+      page_runs(table, g, t0, cnt, [&](int64_t i, const T* key, const T* value, int64_t run) {
+        widen(key, k_row, run, Dk, kb.data() + i * Dk);
+        if (!latent) widen(value, v_row, run, Dv, vb.data() + i * Dv);
+      });
     };
     const float* values = latent ? kb.data() : vb.data();
     // visit(i, key row, value row) for the keys t0 + i, i < cnt, of KV head g, read in place
     auto each_key = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt, auto visit) {
-      for (int64_t t = t0; t < t0 + cnt;) {
-        const int64_t page = table[t / page_size], row = t % page_size;
-        const int64_t run = std::min(page_size - row, t0 + cnt - t);
-        const T* key = kp + page * k_page + row * k_row + g * k_head;
-        const T* value = latent ? key : vp + page * v_page + row * v_row + g * v_head;
+      page_runs(table, g, t0, cnt, [&](int64_t i0, const T* key, const T* v, int64_t run) {
+        const T* value = latent ? key : v;
         const int64_t ld = latent ? k_row : v_row;
         for (int64_t i = 0; i < run; ++i) {
           if (i + AHEAD < run)  // the row AHEAD keys on: a row is read whole, lines every 64 bytes
@@ -116,10 +119,9 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
               __builtin_prefetch(reinterpret_cast<const char*>(key + (i + AHEAD) * k_row) + b);
               if (!latent) __builtin_prefetch(reinterpret_cast<const char*>(value + (i + AHEAD) * ld) + b);
             }
-          visit(t - t0 + i, key + i * k_row, value + i * ld);
+          visit(i0 + i, key + i * k_row, value + i * ld);
         }
-        t += run;
-      }
+      });
     };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < J1; ++job) {  // the shared pages: rows (n, r) of one KV head at once

@@ -227,26 +227,20 @@ void prefill(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, co
 
 constexpr int64_t AKB = 128, AM = 32;
 
-// oneDNN's bf16 micro-kernels run on this CPU (AMX)
-bool onednn() {
-  static const bool yes = at::native::cpublas::could_pack(at::kBFloat16);
-  return yes;
-}
-
 // Whether bf16 prefill runs over packed key blocks on this CPU (prefill_packed), for dk and dv
 bool packed_runs(int64_t dk, int64_t dv) {
   if (dk % 2 || dv % 2) return false;
 #if defined(__AVX512BF16__)
-  if (!onednn()) return dv % DOT_COLS == 0;
+  if (!onednn_bf16()) return dv % DOT_COLS == 0;
 #endif
-  return onednn();
+  return onednn_bf16();
 }
 
 // C [m, n] fp32 (rows n apart) = (add: C +) A [m, K] bf16 (rows K apart) times B [K, n] in VNNI
 // pairs [K / 2, n, 2]: oneDNN's micro-kernel, or dot_mm
 void packed_mm(int64_t m, int64_t n, int64_t K, const c10::BFloat16* A, const c10::BFloat16* B, float* C, bool add) {
 #if defined(__AVX512BF16__)
-  if (!onednn()) return dot_mm(m, n, K, A, K, B, 2 * n, C, n, add);
+  if (!onednn_bf16()) return dot_mm(m, n, K, A, K, B, 2 * n, C, n, add);
 #endif
   at::native::cpublas::brgemm(m, n, K, K, n, n, add, A, B, C);
 }
@@ -373,7 +367,7 @@ void prefill_packed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       }
       finish(acc.data(), l.data(), R, rows, Dv, op + ((cu[job.n] + job.q0) * H + job.g * R) * Dv, H * Dv);
     }
-    if (onednn()) cpublas::brgemm_release();
+    if (onednn_bf16()) cpublas::brgemm_release();
   }
 }
 

@@ -67,12 +67,6 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t BN = 32;  // columns per packed block
 constexpr int64_t BM = 64;  // rows per micro-kernel call
 
-// oneDNN's bf16 micro-kernels run on this CPU (AMX); else dot_rows or fma_rows does their work.
-bool onednn_bf16() {
-  static const bool yes = cpublas::could_pack(at::kBFloat16);
-  return yes;
-}
-
 #if defined(__AVX512BF16__)
 constexpr bool PAIRS = true;  // dot_rows reads the blocks as VNNI pairs
 #else

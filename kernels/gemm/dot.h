@@ -4,8 +4,22 @@
 // 2p + 1) of 32 columns is 64 bf16 at b + p * ldb, column j's two values at 2j and 2j + 1 (ldb =
 // 64 for one packed 32-column block [K / 2, 32, 2]; 2N for a whole [K / 2, N, 2] matrix, its
 // column block j at b + 64j). Every output is one fp32 sum over k in a fixed order (within a
-// pair as vdpbf16ps adds), whatever rows share the call.
+// pair as vdpbf16ps adds), whatever rows share the call. `onednn_bf16()`, which of the two runs,
+// is here for both callers.
 #pragma once
+#include <ATen/native/CPUBlas.h>
+
+namespace {
+
+// oneDNN's bf16 micro-kernels run on this CPU (AMX); elsewhere the bf16 matmuls run dot_rows below
+// (AVX-512 BF16) or gemm/cpu_gemm.cpp's AVX2 fma_rows.
+inline bool onednn_bf16() {
+  static const bool yes = at::native::cpublas::could_pack(at::kBFloat16);
+  return yes;
+}
+
+}  // namespace
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
