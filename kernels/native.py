@@ -42,8 +42,7 @@ SOURCES = [HERE / "native.cpp", HERE / "attention" / "cpu_decode.cpp", HERE / "a
            HERE / "kda" / "cpu_chunk.cpp", HERE / "kda" / "cpu_prepare.cpp", HERE / "mamba2" / "cpu_ssd.cpp",
            HERE / "conv1d" / "cpu_conv.cpp", HERE / "moe" / "cpu_moe.cpp", HERE / "norm" / "cpu_norm.cpp",
            HERE / "gemm" / "cpu_gemm.cpp"]
-HEADERS = [HERE / "matmul.h", HERE / "widen.h", HERE / "denormal.h", HERE / "reduce.h",
-           HERE / "attention" / "shared_pages.h"]
+HEADERS = sorted(HERE.rglob("*.h"))  # every header under kernels/: the module's name follows them too
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 

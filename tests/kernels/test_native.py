@@ -552,6 +552,18 @@ def test_build_name_follows_the_sources(tmp_path, monkeypatch):
     assert native.build_name() != before and native.build_name().isidentifier()
 
 
+def test_build_name_covers_every_header_the_sources_include():
+    """Every header a source or header includes with quotes is among those the module's name
+    hashes, so an edit to it alone rebuilds the module."""
+    import re
+
+    included = set()
+    for p in native.SOURCES + native.HEADERS:
+        for name in re.findall(r'^#include "([^"]+)"', p.read_text(), re.M):
+            included.add((p.parent / name).resolve())
+    assert included and included <= {h.resolve() for h in native.HEADERS}
+
+
 def test_build_uses_the_ninja_package_before_another_ninja_on_path(tmp_path, monkeypatch):
     """Builds run the ninja package's binary even where another ninja comes first on PATH
     (a venv not activated): two ninja versions reject each other's build log and rebuild
