@@ -11,10 +11,13 @@
 #include "../matmul.h"
 #include "../reduce.h"
 #include "../widen.h"
+#include "packed.h"
 #include "shared_pages.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+
+#include "../gemm/dot.h"
 #endif
 
 #include <algorithm>
@@ -115,7 +118,9 @@ constexpr int64_t LEAD = 48;          // the same through AVX-512 BF16 (a multip
 // Decode attention, one query per sequence. The pages all sequences share come first, as
 // matmuls: per (KV head, block of sequences), the block's R * rows queries against each step of
 // up to KEYS shared keys (widened to fp32 once per job), so a prefix common to the batch costs a
-// matmul instead of a pass per sequence. Then one job per (sequence, KV head) continues the same
+// matmul instead of a pass per sequence; bf16 on AVX-512 BF16 CPUs without AMX, with values a
+// multiple of 32 wide, packs each step's keys and values instead (packed.h) and runs the products
+// through dot_mm, as prefill_packed does (numerators rounded to bf16 for the value product). Then one job per (sequence, KV head) continues the same
 // online softmax (running max and sum per query head, the accumulator rescaled) over its own
 // pages in steps of up to KEYS keys: each key's R scores as dot products with its row read in
 // place, the step's softmax, then each value row added into the R accumulators. (With R query
@@ -145,6 +150,11 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   const int64_t ldv = latent ? Dk : Dv;  // row stride of the fp32 value rows
   // own keys through AVX-512 BF16 (scores16, values64) where the widths allow
   [[maybe_unused]] const bool wide = std::is_same_v<T, c10::BFloat16> && Dk % 32 == 0 && Dv % 64 == 0;
+  // the shared pages through dot_mm over packed key blocks (AVX-512 BF16 without AMX)
+  [[maybe_unused]] bool packed = false;
+#if defined(__AVX512BF16__)
+  packed = std::is_same_v<T, c10::BFloat16> && !onednn_bf16() && Dk % 2 == 0 && Dv % DOT_COLS == 0;
+#endif
   std::vector<float> m(N * H, -1e30f), l(N * H, 0.f);  // -1e30: finite, built with -ffast-math
   std::fill(op, op + N * H * Dv, 0.f);
   const int64_t shared = N > 1 ? shared_pages(pp, width, lp, N, page_size) : 0;
@@ -159,6 +169,12 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
     std::vector<float> qf(rows_max * Dk), p(rows_max * block), acc(rows_max * Dv);
     std::vector<float> kb(block * Dk), vb(block * Dv);  // a step's keys and values, fp32
     std::vector<const T*> krows(block + LEAD + 16), vrows(block + LEAD + 16);  // its key and value rows (wide own keys)
+    // packed shared steps: the block's queries, the step's keys and values packed (block rounded up
+    // to whole 32-column tiles), the numerators
+    const int64_t tiles = packed ? (block + 31) / 32 * 32 : 0;
+    std::vector<T> qb(packed ? rows_max * Dk : 0), num(rows_max * tiles);
+    std::vector<uint32_t> kt(Dk / 2 * tiles), vt(tiles / 2 * Dv);
+    std::vector<float> sp(rows_max * tiles);
     // f(i, key row, value row, run) for each page's run of the keys t0 + i .. t0 + i + run - 1 of
     // KV head g of the sequence with this page table (rows k_row and v_row apart)
     auto page_runs = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt, auto f) {
@@ -198,17 +214,39 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 #pragma omp for schedule(dynamic, 1)
     for (int64_t job = 0; job < J1; ++job) {  // the shared pages: rows (n, r) of one KV head at once
       const int64_t g = job % Hkv, n0 = job / Hkv * seqs, ns = std::min(seqs, N - n0), rows = ns * R;
-      for (int64_t i = 0; i < ns; ++i)
-        for (int64_t d = 0; d < R * Dk; ++d) qf[i * R * Dk + d] = as_float(qp[((n0 + i) * H + g * R) * Dk + d]) * sc;
       std::fill(acc.begin(), acc.begin() + rows * Dv, 0.f);
       float *mb = m.data() + n0 * H, *lb = l.data() + n0 * H;  // rows (n, r) of this block: see below
       std::vector<float> mr(rows, -1e30f), lr(rows, 0.f);
-      for (int64_t t0 = 0; t0 < shared * page_size; t0 += block) {
-        const int64_t cnt = std::min(block, shared * page_size - t0);
-        widen_step(pp, g, t0, cnt);  // the pages are sequence 0's as much as any other's
-        mm(false, true, rows, cnt, Dk, 1.f, qf.data(), Dk, kb.data(), Dk, 0.f, p.data(), block);
-        softmax_block(p.data(), block, rows, cnt, mr.data(), lr.data(), acc.data(), Dv);
-        mm(false, false, rows, Dv, cnt, 1.f, p.data(), block, values, ldv, 1.f, acc.data(), Dv);
+      const int64_t keys = shared * page_size;  // every row sees them all; the pages are sequence 0's as much as any other's
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        if (packed) {  // as prefill_packed: bf16 products, fp32 sums, the numerators rounded to bf16
+          for (int64_t i = 0; i < ns; ++i)  // the block's rows (i, r), R * Dk contiguous per sequence
+            std::copy_n(qp + ((n0 + i) * H + g * R) * Dk, R * Dk, qb.begin() + i * R * Dk);
+          for (int64_t t0 = 0; t0 < keys; t0 += block) {
+            const int64_t cnt = std::min(block, keys - t0), w = (cnt + 31) / 32 * 32, last = keys - 1;
+            page_runs(pp, g, t0, cnt, [&](int64_t i, const T* key, const T* value, int64_t run) {
+              for (int64_t j = 0; j < run; ++j) krows[i + j] = key + j * k_row, vrows[i + j] = value + j * v_row;
+            });
+            pack_block([&](int64_t t) { return krows[t]; }, [&](int64_t t) { return vrows[t]; }, cnt, w, Dk, Dv,
+                       kt.data(), vt.data());
+            dot_mm(rows, w, Dk, qb.data(), Dk, reinterpret_cast<const T*>(kt.data()), 2 * w, sp.data(), w, false);
+            numerators_bf16(sp.data(), num.data(), w, rows, 1, &last, t0, cnt, sc, mr.data(), lr.data(), acc.data(),
+                            Dv);
+            dot_mm(rows, Dv, w, num.data(), w, reinterpret_cast<const T*>(vt.data()), 2 * Dv, acc.data(), Dv, true);
+          }
+        }
+#endif
+      if (!packed) {
+        for (int64_t i = 0; i < ns; ++i)
+          for (int64_t d = 0; d < R * Dk; ++d) qf[i * R * Dk + d] = as_float(qp[((n0 + i) * H + g * R) * Dk + d]) * sc;
+        for (int64_t t0 = 0; t0 < keys; t0 += block) {
+          const int64_t cnt = std::min(block, keys - t0);
+          widen_step(pp, g, t0, cnt);
+          mm(false, true, rows, cnt, Dk, 1.f, qf.data(), Dk, kb.data(), Dk, 0.f, p.data(), block);
+          softmax_block(p.data(), block, rows, cnt, mr.data(), lr.data(), acc.data(), Dv);
+          mm(false, false, rows, Dv, cnt, 1.f, p.data(), block, values, ldv, 1.f, acc.data(), Dv);
+        }
       }
       for (int64_t i = 0; i < ns; ++i)
         for (int64_t r = 0; r < R; ++r) {

@@ -16,6 +16,7 @@
 #include "../denormal.h"
 #include "../reduce.h"
 #include "../widen.h"
+#include "packed.h"
 #include "shared_pages.h"
 
 #include <algorithm>
@@ -245,34 +246,6 @@ void packed_mm(int64_t m, int64_t n, int64_t K, const c10::BFloat16* A, const c1
   at::native::cpublas::brgemm(m, n, K, K, n, n, add, A, B, C);
 }
 
-// softmax_rows for the micro-kernel path: raw scores in, `scale` (> 0) folded into the exponent, the
-// numerators written as bf16 straight into P (rows of AKB; 0 past what a query sees) and summed
-// before rounding.
-void numerators_bf16(const float* S, c10::BFloat16* P, int64_t M, int64_t rows, const int64_t* pos, int64_t k0,
-                     int64_t kb, float scale, float* m, float* l, float* acc, int64_t Dv) {
-  for (int64_t row = 0; row < M; ++row) {
-    const int64_t seen = std::max<int64_t>(0, std::min(kb, pos[row % rows] + 1 - k0));
-    const float* s = S + row * AKB;
-    c10::BFloat16* p = P + row * AKB;
-    const float top = seen ? std::max(m[row], scale * max_of(s, seen, -1e30f)) : m[row];
-    const float corr = std::exp(m[row] - top);  // 0 at the first block
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < seen; ++t) {
-      const float e = std::exp(s[t] * scale - top);
-      sum += e;
-      p[t] = narrow<c10::BFloat16>(e);
-    }
-    std::fill(p + seen, p + AKB, c10::BFloat16(0.f));  // keys after the query: masked
-    m[row] = top;
-    l[row] = l[row] * corr + sum;
-    float* a = acc + row * Dv;
-    if (corr != 1.f)
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
-  }
-}
-
 // bf16 over packed key blocks: first the keys and values of every (sequence, KV head) are laid
 // out once per block of AKB keys, K^T and V each in VNNI pairs [K / 2, N, 2] (zero past the
 // sequence's keys), one packed block for all the sequences whose block reads the same pages (a
@@ -312,27 +285,9 @@ void prefill_packed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto [n, g, k0] = blocks[i];
-      const int64_t cnt = std::min(AKB, lens[n] - k0);
-      uint32_t *kb = kt.data() + i * (Dk / 2) * AKB, *vb = vv.data() + i * (AKB / 2) * Dv;
-      for (int64_t t = 0; t < AKB; ++t) {
-        if (t >= cnt) {
-          for (int64_t c = 0; c < Dk / 2; ++c) kb[c * AKB + t] = 0;
-          continue;
-        }
-        const auto* row = reinterpret_cast<const uint32_t*>(P.key(n, g, k0 + t));
-        for (int64_t c = 0; c < Dk / 2; ++c) kb[c * AKB + t] = row[c];
-      }
-      for (int64_t j = 0; j < AKB / 2; ++j) {
-        const auto* a = reinterpret_cast<const uint16_t*>(2 * j < cnt ? P.value(n, g, k0 + 2 * j) : nullptr);
-        const auto* b = reinterpret_cast<const uint16_t*>(2 * j + 1 < cnt ? P.value(n, g, k0 + 2 * j + 1) : nullptr);
-        uint32_t* out = vb + j * Dv;
-        if (a && b) {
-#pragma omp simd
-          for (int64_t d = 0; d < Dv; ++d) out[d] = a[d] | (static_cast<uint32_t>(b[d]) << 16);
-        } else {
-          for (int64_t d = 0; d < Dv; ++d) out[d] = a ? a[d] : 0;
-        }
-      }
+      pack_block([&](int64_t t) { return P.key(n, g, k0 + t); }, [&](int64_t t) { return P.value(n, g, k0 + t); },
+                 std::min(AKB, lens[n] - k0), AKB, Dk, Dv, kt.data() + i * (Dk / 2) * AKB,
+                 vv.data() + i * (AKB / 2) * Dv);
     }
   });
   const std::vector<Job> jobs = make_jobs(cu, lens, Hkv);
@@ -360,7 +315,8 @@ void prefill_packed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
         for (int64_t m0 = 0; m0 < M; m0 += AM)
           packed_mm(std::min(AM, M - m0), AKB, Dk, Q.data() + m0 * Dk,
                     reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB, false);
-        numerators_bf16(S.data(), num.data(), M, rows, pos.data(), k0, kb, scale, m.data(), l.data(), acc.data(), Dv);
+        numerators_bf16(S.data(), num.data(), AKB, M, rows, pos.data(), k0, kb, scale, m.data(), l.data(), acc.data(),
+                        Dv);
         for (int64_t m0 = 0; m0 < M; m0 += AM)
           packed_mm(std::min(AM, M - m0), Dv, AKB, num.data() + m0 * AKB,
                     reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv), acc.data() + m0 * Dv, true);

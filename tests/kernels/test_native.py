@@ -73,7 +73,7 @@ def test_decode_at_model_widths(heads, dims, page_size):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["gqa", "mla"])
+@pytest.mark.parametrize("layout", ["gqa", "mla", "gqa-64", "mla-160"])
 @pytest.mark.parametrize("lens,shared", [([40, 33, 70, 36], 2), ([40, 12, 70, 36], 2), ([32, 32, 32], 2),
                                          ([330 + i % 7 for i in range(50)], 20)])
 def test_decode_over_pages_shared_by_every_sequence(dtype, layout, lens, shared):
@@ -81,10 +81,13 @@ def test_decode_over_pages_shared_by_every_sequence(dtype, layout, lens, shared)
     run as matmuls over all sequences' queries, the rest per sequence, and the result equals the
     reference. Shared pages count only while every sequence fills them (12 keys: none; 32: the
     first two of 16, with nothing after them); 20 shared pages are two steps of keys, and 50
-    sequences more query rows than one job takes."""
+    sequences more query rows than one job takes. At the models' widths (values a multiple of 32
+    wide) bf16 shared pages run over packed key blocks where the CPU has AVX-512 BF16 without AMX."""
     gen = torch.Generator().manual_seed(3)
     ps = 16
-    heads, dims = ((6, 2), (16, 16)) if layout == "gqa" else ((4, 1), (24, 16))
+    heads, dims = {"gqa": ((6, 2), (16, 16)), "mla": ((4, 1), (24, 16)), "gqa-64": ((4, 2), (64, 64)),
+                   "mla-160": ((4, 1), (160, 128))}[layout]
+    layout = layout.split("-")[0]
     own = [(n - 1) // ps + 1 - shared for n in lens]  # pages past the shared ones
     num_pages = shared + sum(max(o, 0) for o in own)
     order = torch.randperm(num_pages - shared, generator=gen) + shared
