@@ -118,19 +118,20 @@ constexpr int64_t LEAD = 48;          // the same through AVX-512 BF16 (a multip
 // Decode attention, one query per sequence. The pages all sequences share come first, as
 // matmuls: per (KV head, block of sequences), the block's R * rows queries against each step of
 // up to KEYS shared keys (widened to fp32 once per job), so a prefix common to the batch costs a
-// matmul instead of a pass per sequence; bf16 on AVX-512 BF16 CPUs without AMX, with values a
-// multiple of 32 wide, packs each step's keys and values instead (packed.h) and runs the products
-// through dot_mm, as prefill_packed does (numerators rounded to bf16 for the value product). Then one job per (sequence, KV head) continues the same
+// matmul instead of a pass per sequence. Then one job per (sequence, KV head) continues the same
 // online softmax (running max and sum per query head, the accumulator rescaled) over its own
 // pages in steps of up to KEYS keys: each key's R scores as dot products with its row read in
 // place, the step's softmax, then each value row added into the R accumulators. (With R query
 // rows a matmul is no better than these loops, and widening the step's rows to fp32 for it cost
-// more than the products.) On AVX-512 BF16 CPUs, bf16 rows of model widths (keys a multiple of 32
-// wide, values of 64) take a faster form of the same loops: scores 16 keys at a time as vdpbf16ps
-// products of the bf16 query and key rows (16 dot products summed together, sum16), the scale
-// applied to the sums, and the value rows added into accumulators held in registers over the
-// step, 4 query heads by 64 columns at a time; the rows LEAD keys on prefetched across pages.
-// No score row of a whole sequence is kept.
+// more than the products.) No score row of a whole sequence is kept.
+// On AVX-512 BF16 CPUs, bf16 caches of model widths take faster forms of both phases:
+// - the shared pages (without AMX, values a multiple of 32 wide): each step's keys and values
+//   packed (packed.h) and the products run through dot_mm, as prefill_packed does (bf16
+//   products, fp32 sums, numerators rounded to bf16 for the value product);
+// - the own keys (keys a multiple of 32 wide, values of 64): scores 16 keys at a time as
+//   vdpbf16ps products of the bf16 query and key rows (16 dot products summed together, sum16),
+//   the scale applied to the sums; the value rows added into accumulators held in registers over
+//   the step, 4 query heads by 64 columns at a time; the rows LEAD keys on prefetched across pages.
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
             const at::Tensor& lens, double scale, at::Tensor& out) {
