@@ -149,11 +149,11 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
   // MLA's latent layout: the values are the keys' first Dv channels, widened once with the keys
   const bool latent = vp == kp && v_page == k_page && v_row == k_row && v_head == k_head && Dv <= Dk;
   const int64_t ldv = latent ? Dk : Dv;  // row stride of the fp32 value rows
-  // own keys through AVX-512 BF16 (scores16, values64) where the widths allow
-  [[maybe_unused]] const bool wide = std::is_same_v<T, c10::BFloat16> && Dk % 32 == 0 && Dv % 64 == 0;
-  // the shared pages through dot_mm over packed key blocks (AVX-512 BF16 without AMX)
-  [[maybe_unused]] bool packed = false;
+  // the AVX-512 BF16 forms, where the CPU and the widths allow: own keys through scores16 and
+  // values64 (wide), the shared pages through dot_mm over packed key blocks, without AMX (packed)
+  bool wide = false, packed = false;
 #if defined(__AVX512BF16__)
+  wide = std::is_same_v<T, c10::BFloat16> && Dk % 32 == 0 && Dv % 64 == 0;
   packed = std::is_same_v<T, c10::BFloat16> && !onednn_bf16() && Dk % 2 == 0 && Dv % DOT_COLS == 0;
 #endif
   std::vector<float> m(N * H, -1e30f), l(N * H, 0.f);  // -1e30: finite, built with -ffast-math
@@ -194,6 +194,12 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       });
     };
     const float* values = latent ? kb.data() : vb.data();
+    // the addresses of the key and value rows of keys t0 .. t0 + cnt - 1 into krows, vrows
+    [[maybe_unused]] auto gather_rows = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt) {
+      page_runs(table, g, t0, cnt, [&](int64_t i, const T* key, const T* value, int64_t run) {
+        for (int64_t j = 0; j < run; ++j) krows[i + j] = key + j * k_row, vrows[i + j] = value + j * v_row;
+      });
+    };
     // the lines of a row of `bytes` bytes, prefetched (a row is read whole)
     auto prefetch = [](const T* row, int64_t bytes) {
       for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
@@ -206,7 +212,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
         for (int64_t i = 0; i < run; ++i) {
           if (i + AHEAD < run) {  // the rows AHEAD keys on
             prefetch(key + (i + AHEAD) * k_row, Dk * int64_t(sizeof(T)));
-            if (!latent) prefetch(value + (i + AHEAD) * ld, Dk * int64_t(sizeof(T)));
+            if (!latent) prefetch(value + (i + AHEAD) * ld, Dv * int64_t(sizeof(T)));
           }
           visit(i0 + i, key + i * k_row, value + i * ld);
         }
@@ -226,9 +232,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
             std::copy_n(qp + ((n0 + i) * H + g * R) * Dk, R * Dk, qb.begin() + i * R * Dk);
           for (int64_t t0 = 0; t0 < keys; t0 += block) {
             const int64_t cnt = std::min(block, keys - t0), w = (cnt + 31) / 32 * 32, last = keys - 1;
-            page_runs(pp, g, t0, cnt, [&](int64_t i, const T* key, const T* value, int64_t run) {
-              for (int64_t j = 0; j < run; ++j) krows[i + j] = key + j * k_row, vrows[i + j] = value + j * v_row;
-            });
+            gather_rows(pp, g, t0, cnt);
             pack_block([&](int64_t t) { return krows[t]; }, [&](int64_t t) { return vrows[t]; }, cnt, w, Dk, Dv,
                        kt.data(), vt.data());
             dot_mm(rows, w, Dk, qb.data(), Dk, reinterpret_cast<const T*>(kt.data()), 2 * w, sp.data(), w, false);
@@ -263,16 +267,15 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
       const int64_t* table = pp + n * width;
       float* a = op + (n * H + g * R) * Dv;  // query heads g * R .. g * R + R - 1
       float *mg = m.data() + n * H + g * R, *lg = l.data() + n * H + g * R;
-      for (int64_t i = 0; i < R * Dk; ++i) qf[i] = as_float(qp[(n * H + g * R) * Dk + i]) * sc;
+      if (!wide)  // the scalar loops' fp32 query rows, scaled
+        for (int64_t i = 0; i < R * Dk; ++i) qf[i] = as_float(qp[(n * H + g * R) * Dk + i]) * sc;
       for (int64_t t0 = shared * page_size; t0 < L; t0 += block) {
         const int64_t cnt = std::min(block, L - t0);
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
           if (wide) {  // the step's rows (and the next group's, prefetched), then scores, softmax, values
             const int64_t have = std::min(cnt + LEAD, L - t0);
-            page_runs(table, g, t0, have, [&](int64_t i, const T* key, const T* value, int64_t run) {
-              for (int64_t j = 0; j < run; ++j) krows[i + j] = key + j * k_row, vrows[i + j] = value + j * v_row;
-            });
+            gather_rows(table, g, t0, have);
             std::fill(krows.begin() + have, krows.begin() + cnt + LEAD + 16, krows[have - 1]);
             std::fill(vrows.begin() + have, vrows.begin() + cnt + LEAD + 16, vrows[have - 1]);
             for (int64_t i = 0; i < cnt; i += 16) {
