@@ -111,6 +111,35 @@ def delta_case(kind: str, n: int = 64) -> Case:
     return inputs, lambda ext, q, k, v, g, b, state, slots: ext.delta_step(q, k, v, g, b, state, slots, d**-0.5), (5,)
 
 
+def chunk_case(kind: str, dtype: torch.dtype, seqs: int, length: int) -> Case:
+    """A chunkwise prefill from zero states: the delta rule (kda: a decay per channel, gdn: per head;
+    the models' heads of 64) or Mamba2's SSD (NemotronH's 8 heads of 64, one group of 32 channels)."""
+    t = seqs * length
+    cu = torch.arange(seqs + 1) * length
+    none = torch.zeros(0, 2, dtype=torch.int64)
+
+    if kind == "ssd":
+        def ssd_inputs(gen):
+            return (torch.randn(t, 8, 64, generator=gen).to(dtype), torch.rand(t, 8, generator=gen) * 0.1,
+                    -torch.rand(8, generator=gen), *(torch.randn(t, 1, 32, generator=gen).to(dtype) for _ in range(2)),
+                    torch.randn(8, generator=gen), torch.zeros(seqs, 8, 64, 32))
+
+        def ssd(ext, x, dt, A, B, C, D, state):
+            return ext.chunk_ssd(x, dt, A, B, C, D, state, cu, none, 128)
+
+        return ssd_inputs, ssd, (6,)
+    h, hv = (4, 4) if kind == "kda" else (2, 4)
+
+    def delta_inputs(gen):
+        q, k = (torch.nn.functional.normalize(torch.randn(t, h, 64, generator=gen), dim=-1).to(dtype) for _ in range(2))
+        g = -torch.rand(t, hv, 64 if kind == "kda" else 1, generator=gen) * 0.5
+        return (q, k, torch.randn(t, hv, 64, generator=gen).to(dtype), g, torch.rand(t, hv, generator=gen),
+                torch.zeros(seqs, hv, 64, 64))
+
+    return delta_inputs, lambda ext, q, k, v, g, b, state: ext.chunk_delta_rule(
+        q, k, v, g, b, state, cu, none, 64**-0.5, -20.0), (5,)
+
+
 def linear_case(rows: int, outs: int, ins: int = 256) -> Case:
     packs: dict[int, torch.Tensor] = {}
 
@@ -166,6 +195,10 @@ CASES: dict[str, Case] = {
     "conv_step fp32 768": conv_case(torch.float32, 768),
     "delta_step kda": delta_case("kda"),
     "delta_step gdn": delta_case("gdn"),
+    "chunk kda bf16 16x256": chunk_case("kda", torch.bfloat16, 16, 256),
+    "chunk gdn bf16 16x256": chunk_case("gdn", torch.bfloat16, 16, 256),
+    "chunk gdn bf16 4x1280": chunk_case("gdn", torch.bfloat16, 4, 1280),
+    "chunk ssd fp32 4x1280": chunk_case("ssd", torch.float32, 4, 1280),
     "linear 64 x 256 -> 776": linear_case(64, 776),
     "linear 6000 x 256 -> 776": linear_case(6000, 776),
     "moe 64 tokens, 8 experts top-2 + shared": moe_case(64),

@@ -2,16 +2,21 @@
 #include <torch/extension.h>
 
 #include "matmul.h"
+#include "gemm/small.h"
 
 // torch's BLAS sgemm, declared weak: a torch built without one leaves it null.
 extern "C" void SGEMM(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
                       const int*, const float*, const int*, const float*, float*, const int*) __attribute__((weak));
 
-static bool use_blas = true;
+static bool use_fast = true;
 
 void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
         int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (SGEMM && use_blas) {  // column-major C^T = op(B)^T op(A)^T
+  if (use_fast && small_mm_fits(M, N, K)) {
+    small_mm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  if (SGEMM && use_fast) {  // column-major C^T = op(B)^T op(A)^T
     const int m = N, n = M, k = K, la = ldb, lb = lda, lc = ldc;
     SGEMM(tb ? "T" : "N", ta ? "T" : "N", &m, &n, &k, &alpha, B, &la, A, &lb, &beta, C, &lc);
     return;
@@ -30,11 +35,23 @@ void mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const fl
   }
 }
 
-// Whether mm goes to torch's BLAS (when it has one); returns the old setting.
-static bool matmul_blas(bool on) {
-  const bool old = use_blas;
-  use_blas = on;
+// Whether mm goes to small_mm and torch's BLAS (when it has one) or plain loops; returns the old setting.
+static bool matmul_fast(bool on) {
+  const bool old = use_fast;
+  use_fast = on;
   return old;
+}
+
+// The kernels' mm on tensors: c [M, N] = alpha op(a) op(b) + beta c in place, fp32, rows unit-strided
+// (a [K, M] when ta, b [N, K] when tb), so the tests can hold it to torch.
+static void matmul(bool ta, bool tb, double alpha, const at::Tensor& a, const at::Tensor& b, double beta, at::Tensor& c) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a, &b, &c})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->stride(1) == 1, "matmul: fp32 matrices, unit-strided rows");
+  const int64_t M = c.size(0), N = c.size(1), K = ta ? a.size(0) : a.size(1);
+  TORCH_CHECK((ta ? a.size(1) : a.size(0)) == M && (tb ? b.size(0) : b.size(1)) == N && (tb ? b.size(1) : b.size(0)) == K,
+              "matmul: shapes");
+  mm(ta, tb, M, N, K, static_cast<float>(alpha), a.data_ptr<float>(), a.stride(0), b.data_ptr<float>(), b.stride(0),
+     static_cast<float>(beta), c.data_ptr<float>(), c.stride(0));
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -123,5 +140,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("heads_bf16", &heads_bf16, nogil, "x[:, h] @ w[h]^T per head into a bf16 view (kernels/gemm/cpu_gemm.cpp)");
   m.def("pack_experts_bf16", &pack_experts_bf16, nogil, "stacked expert weights packed for moe_bf16 (kernels/gemm/cpu_gemm.cpp)");
   m.def("moe_bf16", &moe_bf16, nogil, "gated experts of each token, weighted and summed (kernels/gemm/cpu_gemm.cpp)");
-  m.def("matmul_blas", &matmul_blas, "the kernels' matmuls through torch's BLAS (true) or plain loops");
+  m.def("matmul_fast", &matmul_fast, "the kernels' matmuls through small_mm and torch's BLAS (true) or plain loops");
+  m.def("matmul", &matmul, "C = alpha op(A) op(B) + beta C in place through the kernels' mm (for the tests)");
 }

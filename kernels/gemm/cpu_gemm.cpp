@@ -48,6 +48,7 @@
 #include "../denormal.h"
 #include "../widen.h"
 #include "dot.h"
+#include "small.h"
 
 #include <algorithm>
 #include <array>
@@ -88,34 +89,6 @@ void pack_into(const BFloat16* w, int64_t ldw, int64_t N, int64_t K, BFloat16* o
     if (onednn_bf16()) cpublas::pack(K, BN, BN, BN, at::kBFloat16, at::kBFloat16, block.data(), out + b * K * BN);
   }
 }
-
-#if defined(__AVX512BF16__)
-// fp32: R rows of a [R, K] (rows lda apart) times a plain block b [K, BN] -> c [R, BN], each output
-// summed over k in order with FMAs, 16 columns a register.
-template <int R>
-void fma_rows_f32(const float* a, int64_t lda, int64_t K, const float* b, float* c) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(b + k * BN), b1 = _mm512_loadu_ps(b + k * BN + 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
-      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * BN, acc[r][0]);
-    _mm512_storeu_ps(c + r * BN + 16, acc[r][1]);
-  }
-}
-
-template <int... R>
-constexpr auto fma_f32_kernels(std::integer_sequence<int, R...>) {
-  return std::array{fma_rows_f32<R + 1>...};
-}
-constexpr auto FMA32 = fma_f32_kernels(std::make_integer_sequence<int, DOT_ROWS>{});  // FMA32[r - 1]: r rows
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 // R rows of a [R, K] fp32 (rows K apart) times b [K, BN] fp32 -> c [R, BN] (rows BN apart): per
@@ -177,8 +150,7 @@ void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16*
 // where gemm_f32_supported()).
 void micro(int64_t m, int64_t K, const float* A, int64_t lda, const float* B, float* C) {
 #if defined(__AVX512BF16__)
-  for (int64_t r = 0; r < m; r += DOT_ROWS)
-    FMA32[std::min<int64_t>(DOT_ROWS, m - r) - 1](A + r * lda, lda, K, B, C + r * BN);
+  small_mm(false, false, m, BN, K, 1.f, A, lda, B, BN, 0.f, C, BN);  // each output summed over k in order
 #else
   TORCH_CHECK(false, "fp32 micro-kernels: not built for this CPU");
 #endif

@@ -144,7 +144,28 @@ def test_delta_step_updates_slots_in_place(gate):
     assert torch.equal(after[others], state[others])
 
 
-def _chunk_both(op, dtype, blas=True, monkeypatch=None):
+@needs_kernel
+@pytest.mark.parametrize("ta", [False, True], ids=["a", "a^T"])
+@pytest.mark.parametrize("tb", [False, True], ids=["b", "b^T"])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (-1.0, 1.0), (0.5, -2.0)])
+def test_kernel_matmul_equals_fp64_matmul(ta, tb, alpha, beta):
+    """The kernels' mm (small_mm's register tiles at these sizes on AVX-512, else the BLAS) at
+    every tail its tiles have (rows 1-17 and a few blocks of them, columns 1-130 around the
+    16-wide vectors and 64-wide panels), strided rows, and large products that go to the BLAS:
+    alpha op(A) op(B) + beta C within fp32 summation error of fp64; with beta 0, C is not read
+    (NaN there stays out)."""
+    gen = torch.Generator().manual_seed(int(ta) + 2 * int(tb))
+    for m, n, k in [(1, 1, 1), (5, 16, 3), (17, 17, 64), (13, 33, 100), (64, 64, 64), (128, 130, 64),
+                    (6, 48, 7), (9, 200, 5), (300, 600, 40)]:
+        a = torch.randn(k, m + 3, generator=gen)[:, :m] if ta else torch.randn(m, k + 3, generator=gen)[:, :k]
+        b = torch.randn(n, k, generator=gen) if tb else torch.randn(k, n, generator=gen)
+        c = torch.full((m, n), float("nan")) if beta == 0 else torch.randn(m, n, generator=gen)
+        want = alpha * ((a.T if ta else a).double() @ (b.T if tb else b).double()) + (beta * c.double() if beta else 0)
+        native.extension().matmul(ta, tb, alpha, a, b, beta, c)
+        torch.testing.assert_close(c.double(), want, rtol=0, atol=1e-5 * k**0.5 * (1 + abs(beta)))
+
+
+def _chunk_both(op, dtype, fast=True, monkeypatch=None):
     from kernels.gdn import chunk_gdn
     from kernels.kda import chunk_kda
     from tests.kernels.fla_interpret import make_inputs
@@ -154,11 +175,11 @@ def _chunk_both(op, dtype, blas=True, monkeypatch=None):
     q, k, v = (x.to(dtype) for x in (q, k, v))
     args = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu,
                 checkpoint_at=torch.tensor([64, 150, 214, 128, 215, 312]))
-    old = native.extension().matmul_blas(blas)
+    old = native.extension().matmul_fast(fast)
     try:
         compiled = fn(q, k, v, g, beta, **args)
     finally:
-        native.extension().matmul_blas(old)
+        native.extension().matmul_fast(old)
     monkeypatch.setattr(native, "chunk_delta_rule", lambda *a: None)
     return compiled, fn(q, k, v, g, beta, **args)
 
@@ -196,13 +217,13 @@ def test_kda_chunk_kernel_accurate_to_fp64_on_strong_decays(max_decay):
 @needs_kernel
 @pytest.mark.parametrize("op", ["kda", "gdn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("blas", [True, False], ids=["blas", "loops"])
-def test_chunk_kernel_equals_torch_chunk(op, dtype, blas, monkeypatch):
-    """The compiled chunkwise delta rule (its matmuls through torch's BLAS, or its own loops)
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "loops"])
+def test_chunk_kernel_equals_torch_chunk(op, dtype, fast, monkeypatch):
+    """The compiled chunkwise delta rule (its matmuls through small_mm and torch's BLAS, or plain loops)
     gives the torch chunk path's outputs, final states and checkpoint states on a varlen batch
     with empty, one-token and chunk-aligned sequences, reading bf16 inputs as the torch path
     upcasts them."""
-    compiled, reference = _chunk_both(op, dtype, blas, monkeypatch)
+    compiled, reference = _chunk_both(op, dtype, fast, monkeypatch)
     for got, want in zip(compiled, reference):
         assert got.dtype == want.dtype and got.shape == want.shape
         tol = 2e-5 if got.dtype == torch.float32 else 1e-2  # bf16 outputs: one rounding apart at most
@@ -320,11 +341,11 @@ def test_sigmoid_routing_equals_the_torch_router(renorm, top_k, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("blas", [True, False], ids=["blas", "loops"])
-def test_ssd_kernel_equals_torch_ssd(dtype, blas, monkeypatch):
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "loops"])
+def test_ssd_kernel_equals_torch_ssd(dtype, fast, monkeypatch):
     """The compiled Mamba2 SSD gives the torch chunk path's outputs, final and checkpoint states
     on a varlen batch (grouped B/C, D skip, chunk-aligned and end checkpoints, an empty and a
-    one-token sequence), its matmuls through torch's BLAS or its own loops."""
+    one-token sequence), its matmuls through small_mm and torch's BLAS, or plain loops."""
     from kernels.mamba2 import chunk_ssd
     from tests.kernels.test_mamba2 import cu_of, make_inputs, random_state
 
@@ -332,11 +353,11 @@ def test_ssd_kernel_equals_torch_ssd(dtype, blas, monkeypatch):
     x = make_inputs(sum(lengths), dtype=dtype)
     args = dict(initial_state=random_state(len(lengths)), output_final_state=True, cu_seqlens=cu_of(lengths),
                 checkpoint_at=torch.tensor([32, 64, 70, 71, 104, 136, 168]), chunk_size=32)
-    old = native.extension().matmul_blas(blas)
+    old = native.extension().matmul_fast(fast)
     try:
         compiled = chunk_ssd(*x, **args)
     finally:
-        native.extension().matmul_blas(old)
+        native.extension().matmul_fast(old)
     monkeypatch.setattr(native, "chunk_ssd", lambda *a: None)
     reference = chunk_ssd(*x, **args)
     for got, want in zip(compiled, reference):
