@@ -98,6 +98,21 @@ def conv_case(dtype: torch.dtype, channels: int, n: int = 64, width: int = 4) ->
     return inputs, lambda ext, x, w, state, slots: ext.conv_step(x, w, EMPTY, state, slots, True), (2,)
 
 
+def conv_prefill_case(dtype: torch.dtype, channels: int, row: int, seqs: int = 8, length: int = 1280) -> Case:
+    """A causal conv1d prefill with silu over `channels` of projection rows `row` wide (read in
+    place, as the layers pass them): NemotronH's 576 of 1,096 (fp32), Qwen3-Next's 768 of 776."""
+    cu = torch.arange(seqs + 1) * length
+
+    def inputs(gen):
+        x = torch.randn(seqs * length, row, generator=gen).to(dtype)[:, :channels]
+        return x, torch.randn(channels, 4, generator=gen), torch.zeros(seqs, channels, 3)
+
+    def call(ext, x, w, state):
+        return ext.causal_conv1d(x, w, EMPTY, state, cu, torch.zeros(0, 2, dtype=torch.long), True)
+
+    return inputs, call, ()
+
+
 def delta_case(kind: str, n: int = 64) -> Case:
     h, hv, d = (4, 4, 64) if kind == "kda" else (2, 4, 64)
 
@@ -191,6 +206,8 @@ CASES: dict[str, Case] = {
     "prefill mla-expanded bf16 16x256": prefill_case("mla-expanded", torch.bfloat16, 16, 0),
     "prefill gqa bf16 4x1280, no prefix": prefill_case("gqa", torch.bfloat16, 4, 0, shared=0, own=1280),
     "prefill gqa fp32 4x1280, no prefix": prefill_case("gqa", torch.float32, 4, 0, shared=0, own=1280),
+    "conv prefill fp32 576 of 1096": conv_prefill_case(torch.float32, 576, 1096),
+    "conv prefill bf16 768 of 776": conv_prefill_case(torch.bfloat16, 768, 776),
     "conv_step bf16 768": conv_case(torch.bfloat16, 768),
     "conv_step fp32 768": conv_case(torch.float32, 768),
     "delta_step kda": delta_case("kda"),
