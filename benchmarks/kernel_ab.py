@@ -23,7 +23,8 @@ difference, where whole runs side by side spread more than the change.
 The cases are the decode-step and prefill kernels at the peer benchmark's sizes (64 sequences
 of 1,024 shared + 320 own keys; prefill steps of 256-query segments over the 1,024 shared keys,
 or of whole 1,280-query sequences with nothing cached,
-alone or beside decode rows; the built-in Kimi model's and Qwen3-Next's layer shapes), and the
+alone or beside decode rows; the built-in Kimi model's and Qwen3-Next's layer shapes), the
+chunkwise prefills (KDA, GDN, Mamba2's SSD) and the conv prefill at the models' widths, and the
 bf16 projection and MoE layer, each module packing its own weights. In `--engine` mode both
 modules get the engine's arguments, packed weights included, so kernels taking those compare
 only between builds that pack alike. Each prints both times, new / old, and the largest
