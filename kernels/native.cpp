@@ -62,14 +62,37 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
 bool paged_prefill_packed(int64_t dk, int64_t dv);
 at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                       const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, double scale);
-std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
-                                                    const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
-                                                    double scale, double min_log_decay);
-std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
-                                             const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
-                                             at::Tensor& state, const at::Tensor& cu_seqlens,
-                                             const at::Tensor& checkpoints, int64_t chunk_size);
+std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                                          const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
+                                                          double scale, double min_log_decay, const at::Tensor& slots,
+                                                          const at::Tensor& fresh, const at::Tensor& checkpoint_slots);
+
+// chunk_delta_rule_slots with state [N, HV, K, V]: sequence n's state in row n, the checkpoints'
+// states returned.
+static std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                           const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                                           const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
+                                                           double scale, double min_log_decay) {
+  const auto none = at::empty({0}, at::kLong);
+  return chunk_delta_rule_slots(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale, min_log_decay, none, none,
+                                none);
+}
+std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                                                   const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
+                                                   at::Tensor& state, const at::Tensor& cu_seqlens,
+                                                   const at::Tensor& checkpoints, int64_t chunk_size,
+                                                   const at::Tensor& slots, const at::Tensor& fresh,
+                                                   const at::Tensor& checkpoint_slots);
+
+// chunk_ssd_slots with state [N, H, P, S]: sequence n's state in row n, the checkpoints' states returned.
+static std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                                                    const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
+                                                    at::Tensor& state, const at::Tensor& cu_seqlens,
+                                                    const at::Tensor& checkpoints, int64_t chunk_size) {
+  const auto none = at::empty({0}, at::kLong);
+  return chunk_ssd_slots(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size, none, none, none);
+}
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,
                                                  const at::Tensor& at_rows, bool silu);
@@ -116,7 +139,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_packed", &paged_prefill_packed, "whether bf16 paged_prefill runs over packed key blocks here");
   m.def("delta_step", &delta_step, nogil, "KDA / GDN decode step, states in place (kernels/attention/cpu_decode.cpp)");
   m.def("chunk_delta_rule", &chunk_delta_rule, nogil, "KDA / GDN chunkwise prefill (kernels/kda/cpu_chunk.cpp)");
+  m.def("chunk_delta_rule_slots", &chunk_delta_rule_slots, nogil, "the same, states read and written in rows of a pool");
   m.def("chunk_ssd", &chunk_ssd, nogil, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
+  m.def("chunk_ssd_slots", &chunk_ssd_slots, nogil, "the same, states read and written in rows of a pool");
   m.def("causal_conv1d", &causal_conv1d, nogil, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
   m.def("ssd_step", &ssd_step, nogil, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
   m.def("rms_norm", &rms_norm, nogil, "RMS norm, optionally gated, one pass per row (kernels/norm/cpu_norm.cpp)");

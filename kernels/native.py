@@ -145,17 +145,21 @@ def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | N
     return ext.delta_step(*f, state, slots, scale)
 
 
-def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: float, min_log_decay: float):
+def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: float, min_log_decay: float,
+                     slots=EMPTY, fresh=EMPTY, checkpoint_slots=EMPTY):
     """The chunkwise delta rule (kernels/kda/chunk.py's contract) with `state` [N, HV, K, V] fp32
     advanced in place from each sequence's initial to its final state; checkpoints [C, 2] int64
     rows (sequence, tokens consumed). Returns (o [T, HV, V] fp32, states [C, HV, K, V]), or None
-    where the kernel cannot run."""
+    where the kernel cannot run. With `slots` [N] int64, state is a pool [P, HV, K, V] (fp32,
+    contiguous) and sequence n's state is its row slots[n], read and written in place (zeros
+    first where `fresh` [N] bool); with `checkpoint_slots` [C] the checkpoints' states go into
+    those rows of it instead of being returned (then states is empty)."""
     ext = extension() if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None:
         return None
     q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
-    return ext.chunk_delta_rule(q, k, v, _f32(g), _f32(beta), state, cu_seqlens,
-                                checkpoints, scale, min_log_decay)
+    return ext.chunk_delta_rule_slots(q, k, v, _f32(g), _f32(beta), state, cu_seqlens, checkpoints, scale,
+                                      min_log_decay, slots, fresh, checkpoint_slots)
 
 
 def delta_prepare(x, h: int, k: int, hv: int, v: int, a, A_log, dt_bias, b, eps: float):
@@ -307,17 +311,20 @@ def moe_combine(y, at, weight) -> torch.Tensor | None:
     return None if ext is None else ext.moe_combine(y.contiguous(), at, weight)
 
 
-def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int):
+def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int, slots=EMPTY, fresh=EMPTY,
+              checkpoint_slots=EMPTY):
     """kernels/mamba2/chunk.py's chunk_ssd with `state` [N, H, P, S] fp32 advanced in place from
     the initial to the final states; checkpoints [C, 2] int64 rows (sequence, tokens consumed).
-    Returns (y [T, H, P] in x's dtype, states [C, H, P, S]), or None where the kernel cannot run."""
+    Returns (y [T, H, P] in x's dtype, states [C, H, P, S]), or None where the kernel cannot run.
+    `slots`, `fresh` and `checkpoint_slots`: the states in rows of a pool, as chunk_delta_rule."""
     ext = extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None:
         return None
     x, B, C = (t.to(x.dtype).contiguous() for t in (x, B, C))
     empty = A.new_empty(0, dtype=torch.float32)
-    return ext.chunk_ssd(x, dt.float().contiguous(), A.float().contiguous(), B, C,
-                         empty if D is None else D.float(), state, cu_seqlens, checkpoints, chunk_size)
+    return ext.chunk_ssd_slots(x, dt.float().contiguous(), A.float().contiguous(), B, C,
+                               empty if D is None else D.float(), state, cu_seqlens, checkpoints, chunk_size, slots,
+                               fresh, checkpoint_slots)
 
 
 # packed weights by id of the tensor they were packed from (dropped when it goes), valid while

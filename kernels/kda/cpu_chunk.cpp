@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 
 #include "../denormal.h"
+#include "../state_rows.h"
 #include "../widen.h"
 
 #include "../matmul.h"
@@ -309,7 +310,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
 
 template <typename T>
 void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_t>& cu, float* state,
-         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* ck_states) {
+         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, const StateRows& where) {
   // A job is (sequence, key head) and runs the key head's value heads chunk by chunk: each
   // chunk's keys are loaded (and, with a decay per head, [K; Q] K^T formed) once for all of them.
   const int64_t N = static_cast<int64_t>(cu.size()) - 1, H = s.H, R = s.HV / s.H, KV = s.K * s.V;
@@ -329,15 +330,17 @@ void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_
       const int64_t n = jobs[j] / H, h = jobs[j] % H;
       const auto& plan = captures[n];
       std::fill(next.begin(), next.end(), 0);
+      float* own = state + (where.seq[n] * s.HV + h * R) * KV;  // the states of key head h's value heads
+      if (where.fresh[n]) std::fill(own, own + R * KV, 0.f);
       for (int64_t t = cu[n]; t < cu[n + 1]; t += CHUNK) {
         const int64_t c = std::min(CHUNK, cu[n + 1] - t);
         keys(s, in, t, c, h, w);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t hv = h * R + r;
-          float* S = state + (n * s.HV + hv) * KV;
+          float* S = own + r * KV;
           chunk(s, in, o, t, c, hv, S, w);
           for (; next[r] < plan.size() && plan[next[r]].first <= t + c - cu[n]; ++next[r])  // states after this chunk
-            std::copy(S, S + KV, ck_states + (plan[next[r]].second * s.HV + hv) * KV);
+            std::copy(S, S + KV, where.ck_rows + (where.ck[plan[next[r]].second] * s.HV + hv) * KV);
         }
       }
     }
@@ -347,14 +350,19 @@ void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_
 }  // namespace
 
 // q, k [T, H, K] and v [T, HV, V] (fp32 or bf16, one dtype, contiguous); g [T, HV, K or 1] and
-// beta [T, HV] fp32 contiguous; state [N, HV, K, V] fp32 contiguous, each sequence's initial
-// state, advanced in place to its final state; cu_seqlens [N+1] int64; checkpoints [C, 2] int64
-// rows (sequence, tokens of it consumed: a multiple of 64 or its length), sorted by length within
-// a sequence. Returns (o [T, HV, V] fp32, states [C, HV, K, V] fp32 after each checkpoint).
-std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
-                                                    const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
-                                                    double scale, double min_log_decay) {
+// beta [T, HV] fp32 contiguous; state [P, HV, K, V] fp32 contiguous: rows of states; cu_seqlens
+// [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it consumed: a multiple of 64 or
+// its length), sorted by length within a sequence. slots [N] int64: the row of state holding
+// sequence n's initial state, advanced in place to its final state (empty: row n); fresh [N]
+// bool: sequences that start from zeros instead (empty: none); checkpoint_slots [C] int64: the
+// rows to write the state after each checkpoint into (empty: a new tensor). Every row is written
+// by one sequence or checkpoint at most. Returns (o [T, HV, V] fp32, the checkpoints' states
+// [C, HV, K, V] fp32, or an empty tensor where they went into state's rows).
+std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                          const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                                          const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
+                                                          double scale, double min_log_decay, const at::Tensor& slots,
+                                                          const at::Tensor& fresh, const at::Tensor& checkpoint_slots) {
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "chunk_delta_rule: contiguous q, k, v");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v share one dtype");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &state})
@@ -365,20 +373,23 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const a
   const Sizes s{q.size(1), HV, K, V, g.size(2), static_cast<float>(scale), static_cast<float>(min_log_decay)};
   auto cu_t = cu_seqlens.to(at::kLong).contiguous();
   std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
-  TORCH_CHECK(state.size(0) == static_cast<int64_t>(cu.size()) - 1 && state.size(1) == HV && state.size(2) == K &&
-                  state.size(3) == V, "state [N, HV, K, V]");
+  const int64_t N = static_cast<int64_t>(cu.size()) - 1;
+  TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == K && state.size(3) == V, "state [P, HV, K, V]");
   auto ck = checkpoints.to(at::kLong).contiguous();
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> captures(cu.size() - 1);
+  const int64_t C = ck.size(0);
+  const StateRows where = state_rows(state, N, C, slots, fresh, checkpoint_slots, "chunk_delta_rule");
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> captures(N);
   const int64_t* ckp = ck.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ck.size(0); ++i) captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
+  for (int64_t i = 0; i < C; ++i) {
+    TORCH_CHECK(ckp[2 * i] >= 0 && ckp[2 * i] < N, "chunk_delta_rule: a checkpoint's sequence out of range");
+    captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
+  }
   for (auto& plan : captures) std::sort(plan.begin(), plan.end());
   auto out = at::empty({T, HV, V}, v.options().dtype(at::kFloat));
-  auto states = at::empty({ck.size(0), HV, K, V}, state.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_delta_rule", [&] {
     const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                               g.data_ptr<float>(), beta.data_ptr<float>()};
-    run(s, in, out.data_ptr<float>(), cu, state.data_ptr<float>(), captures, states.data_ptr<float>());
+    run(s, in, out.data_ptr<float>(), cu, state.data_ptr<float>(), captures, where);
   });
-  return {out, states};
+  return {out, where.states};
 }
-

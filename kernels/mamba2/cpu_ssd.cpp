@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include "../denormal.h"
+#include "../state_rows.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -105,7 +106,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
 // job; the heads are split into blocks only as far as needed to give every thread work.
 template <typename T>
 void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>& cu, const std::vector<int64_t>& seqs,
-         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* sp, float* ksp) {
+         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* sp, const StateRows& where) {
   const int64_t H = s.H, R = s.H / s.G, PS = s.P * s.S, N = static_cast<int64_t>(seqs.size());
   const int64_t threads = at::get_num_threads();
   const int64_t split = std::clamp<int64_t>((4 * threads + N * s.G - 1) / std::max<int64_t>(N * s.G, 1), 1, R);
@@ -120,13 +121,14 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
       const int64_t h1 = std::min(h0 + per, (g + 1) * R);
       const auto& plan = captures[n];
       size_t next = 0;
+      float* own = sp + where.seq[n] * H * PS;  // sequence n's states, head by head
+      if (where.fresh[n]) std::fill(own + h0 * PS, own + h1 * PS, 0.f);
       for (int64_t t = cu[n]; t < cu[n + 1]; t += s.L) {
         const int64_t c = std::min(s.L, cu[n + 1] - t);
         group_inputs(s, in, t, c, g, w);
-        for (int64_t hd = h0; hd < h1; ++hd) chunk(s, in, op, t, c, hd, sp + (n * H + hd) * PS, w);
+        for (int64_t hd = h0; hd < h1; ++hd) chunk(s, in, op, t, c, hd, own + hd * PS, w);
         for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
-          for (int64_t hd = h0; hd < h1; ++hd)
-            std::copy(sp + (n * H + hd) * PS, sp + (n * H + hd + 1) * PS, ksp + (plan[next].second * H + hd) * PS);
+          std::copy(own + h0 * PS, own + h1 * PS, where.ck_rows + (where.ck[plan[next].second] * H + h0) * PS);
       }
     }
   }
@@ -135,14 +137,18 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
 }  // namespace
 
 // x [T, H, P], B, C [T, G, S] (one dtype: fp32 or bf16, contiguous); dt [T, H], A [H], D [H] or
-// empty, fp32; state [N, H, P, S] fp32 contiguous, advanced in place from the initial to the
-// final states; cu_seqlens [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it
-// consumed: a multiple of chunk_size or its length). Returns (y [T, H, P] in x's dtype,
-// states [C, H, P, S] fp32).
-std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
-                                             const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
-                                             at::Tensor& state, const at::Tensor& cu_seqlens,
-                                             const at::Tensor& checkpoints, int64_t chunk_size) {
+// empty, fp32; state [P, H, P, S] fp32 contiguous: rows of states (state_rows.h: sequence n's at
+// row slots[n], or row n without slots; zeros first where fresh; the checkpoints' into rows
+// checkpoint_slots, or returned), advanced in place from the initial to the final states;
+// cu_seqlens [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it consumed: a
+// multiple of chunk_size or its length). Returns (y [T, H, P] in x's dtype, states [C, H, P, S]
+// fp32, or empty where they went into rows of state).
+std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
+                                                   const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
+                                                   at::Tensor& state, const at::Tensor& cu_seqlens,
+                                                   const at::Tensor& checkpoints, int64_t chunk_size,
+                                                   const at::Tensor& slots, const at::Tensor& fresh,
+                                                   const at::Tensor& checkpoint_slots) {
   TORCH_CHECK(x.is_contiguous() && B.is_contiguous() && C.is_contiguous(), "chunk_ssd: contiguous x, B, C");
   TORCH_CHECK(x.scalar_type() == B.scalar_type() && B.scalar_type() == C.scalar_type(), "x, B, C share one dtype");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dt, &A, &state})
@@ -151,26 +157,28 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tens
   auto cu_t = cu_seqlens.to(at::kLong).contiguous();
   std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
   const int64_t N = static_cast<int64_t>(cu.size()) - 1, H = s.H;
-  TORCH_CHECK(state.size(0) == N && state.size(1) == H && state.size(2) == s.P && state.size(3) == s.S,
-              "state [N, H, P, S]");
+  TORCH_CHECK(state.dim() == 4 && state.size(1) == H && state.size(2) == s.P && state.size(3) == s.S,
+              "state [rows, H, P, S]");
   auto ck = checkpoints.to(at::kLong).contiguous();
   const int64_t* ckp = ck.data_ptr<int64_t>();
+  const StateRows where = state_rows(state, N, ck.size(0), slots, fresh, checkpoint_slots, "chunk_ssd");
   std::vector<std::vector<std::pair<int64_t, int64_t>>> captures(N);
-  for (int64_t i = 0; i < ck.size(0); ++i) captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
+  for (int64_t i = 0; i < ck.size(0); ++i) {
+    TORCH_CHECK(ckp[2 * i] >= 0 && ckp[2 * i] < N, "chunk_ssd: a checkpoint's sequence out of range");
+    captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
+  }
   for (auto& plan : captures) std::sort(plan.begin(), plan.end());
   auto out = at::empty_like(x);
-  auto states = at::empty({ck.size(0), H, s.P, s.S}, state.options());
   auto Df = D.numel() ? D.to(at::kFloat).contiguous() : D;
   std::vector<int64_t> seqs(N);  // longest first
   std::iota(seqs.begin(), seqs.end(), 0);
   std::stable_sort(seqs.begin(), seqs.end(), [&](int64_t p, int64_t q) { return cu[p + 1] - cu[p] > cu[q + 1] - cu[q]; });
-  float *sp = state.data_ptr<float>(), *ksp = states.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "chunk_ssd", [&] {
     const Inputs<scalar_t> in{x.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(),
                               dt.data_ptr<float>(), A.data_ptr<float>(), D.numel() ? Df.data_ptr<float>() : nullptr};
-    run(s, in, out.data_ptr<scalar_t>(), cu, seqs, captures, sp, ksp);
+    run(s, in, out.data_ptr<scalar_t>(), cu, seqs, captures, state.data_ptr<float>(), where);
   });
-  return {out, states};
+  return {out, where.states};
 }
 
 // One SSD decode token per sequence with the states advanced in place: x [N, H, P], dt [N, H],

@@ -8,6 +8,9 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import native
+from kernels.gdn import chunk_gdn
+from kernels.kda import chunk_kda
+from kernels.kda.chunk import chunk_in_place
 from models.batch import ForwardBatch
 from models.layers import context_parallel
 from models.layers.context_parallel import ContextParallel
@@ -29,9 +32,16 @@ InPlace = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor | None]
 #   split across ranks (models/layers/context_parallel.py); `final` is the segment's
 CPPrefill = Callable[[ContextParallel, slice, torch.Tensor, torch.Tensor | None], tuple]
 
+# prefill_in_place(rows, state, slots [Np], fresh [Np] bool, cu_seqlens [Np+1], checkpoint_at [C] |
+#   None, checkpoint_slots [C] | None) -> outputs, the states read from and written into their slots
+#   (zeros first where fresh), or None where its kernel does not run (nothing written)
+PrefillInPlace = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                           torch.Tensor | None], torch.Tensor | None]
+
 
 def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, decode: Decode,
-                   decode_in_place: InPlace | None = None, cp_prefill: CPPrefill | None = None) -> torch.Tensor:
+                   decode_in_place: InPlace | None = None, cp_prefill: CPPrefill | None = None,
+                   prefill_in_place: PrefillInPlace | None = None) -> torch.Tensor:
     """Run `prefill` on the prefill segments and `decode` on the decode rows.
 
     Each segment starts from the state in its slot (zeros when prefix_len == 0; decode rows
@@ -39,14 +49,22 @@ def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, d
     in the slot's dtype) and every requested checkpoint state is in its checkpoint slot.
     Under context parallelism (`batch.cp`: this rank's slice of one segment) `cp_prefill`
     runs instead, and every rank ends with the segment's final state and all its checkpoints.
+    `prefill_in_place` and `decode_in_place`, where given and their kernels run (not None),
+    read and write the slots themselves: no gather of the states before, no scatter after.
     Returns the outputs in packing order.
     """
     slots = batch.state_slots
     n_pre, t_pre = batch.num_prefills, batch.num_prefill_tokens
     outs = []
-    if n_pre:  # prefill
+    ck = batch.checkpoint_at if batch.checkpoint_at.numel() else None
+    out = None
+    if n_pre and batch.cp is None and prefill_in_place is not None:
+        out = prefill_in_place(slice(0, t_pre), state, slots[:n_pre], batch.prefix_lens[:n_pre] == 0,
+                               batch.cu_seqlens[: n_pre + 1], ck, batch.checkpoint_slots if ck is not None else None)
+    if out is not None:
+        outs.append(out)
+    elif n_pre:  # prefill
         init = state[slots[:n_pre]]  # [Np, ...] (a copy)
-        ck = batch.checkpoint_at if batch.checkpoint_at.numel() else None
         if batch.cp is None:
             init[batch.prefix_lens[:n_pre] == 0] = 0
             out, final, *ck_states = prefill(slice(0, t_pre), init, batch.cu_seqlens[: n_pre + 1], ck)
@@ -103,6 +121,10 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
         o = native.delta_step(q[r], k[r], v[r], g_r, beta[r], st, slots, q.shape[-1] ** -0.5)
         return None if o is None else o.to(v.dtype)
 
+    def prefill_in_place(r, st, slots, fresh, cu, ck, ck_slots):
+        g_r = g[r] if g.dim() == 3 else g[r][..., None]
+        return chunk_in_place(q[r], k[r], v[r], g_r, beta[r], st, slots, fresh, cu, ck, ck_slots)
+
     return run_with_state(
         batch,
         state,
@@ -112,6 +134,7 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
                            cu_seqlens=torch.arange(r.stop - r.start + 1, device=q.device)),
         in_place,
         lambda cp, r, s0, ck: context_parallel.delta_rule_prefill(cp, chunk, q[r], k[r], v[r], g[r], beta[r], s0, ck),
+        prefill_in_place if chunk in (chunk_kda, chunk_gdn) else None,  # the CPU chunk path: its kernel in place
     )
 
 

@@ -231,6 +231,77 @@ def test_chunk_kernel_equals_torch_chunk(op, dtype, fast, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("op", ["kda", "gdn"])
+def test_chunk_kernel_in_pool_slots_equals_gathered_states(op):
+    """chunk_in_place on a pool of states (sequences in scattered slots, two of them starting from
+    zeros whatever their slots held, checkpoints written into other slots) gives the same outputs,
+    final states and checkpoint states, bit for bit, as the kernel on gathered states; the pool's
+    other slots are untouched. Bad slots (repeated, or out of range) are refused before anything
+    is written."""
+    from kernels.kda.chunk import chunk_in_place
+    from tests.kernels.fla_interpret import make_inputs
+
+    q, k, v, g, beta, h0, cu = make_inputs([150, 0, 64, 1, 97], op == "gdn", H=2, HV=4, K=32, V=16)
+    g = g if g.dim() == 3 else g[..., None]
+    at = torch.tensor([64, 150, 214, 128, 215, 312])
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(12, *h0.shape[1:], generator=gen)
+    slots, fresh, ck_slots = torch.tensor([7, 2, 9, 0, 4]), torch.tensor([False, True, False, True, False]), \
+        torch.tensor([11, 3, 5, 1, 8, 10])
+    pool[slots[~fresh]] = h0[~fresh]
+    init = torch.where(fresh[:, None, None, None], 0.0, h0)
+    want_o, want_states = native.chunk_delta_rule(q, k, v, g, beta, init, cu, _checkpoint_rows(at, cu), 32**-0.5, -20.0)
+    before = pool.clone()
+    o = chunk_in_place(q, k, v, g, beta, pool, slots, fresh, cu, at, ck_slots)
+    assert torch.equal(o, want_o) and torch.equal(pool[slots], init) and torch.equal(pool[ck_slots], want_states)
+    others = [i for i in range(12) if i not in slots.tolist() + ck_slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+    for bad in (torch.tensor([7, 2, 9, 0, 7]), torch.tensor([7, 2, 9, 0, 12])):
+        copy = pool.clone()
+        with pytest.raises(RuntimeError, match="slots"):
+            chunk_in_place(q, k, v, g, beta, copy, bad, fresh, cu, at, ck_slots)
+        assert torch.equal(copy, pool)
+    with pytest.raises(RuntimeError, match="checkpoint_slots"):
+        chunk_in_place(q, k, v, g, beta, pool.clone(), slots, fresh, cu, at, torch.tensor([11, 3, 5, 1, 8, 7]))
+
+
+@needs_kernel
+def test_ssd_kernel_in_pool_slots_equals_gathered_states():
+    """chunk_ssd_in_place on a pool of states (scattered slots, one sequence starting from zeros,
+    checkpoints into other slots) gives the kernel's outputs, final and checkpoint states on
+    gathered states, bit for bit; the pool's other slots are untouched; repeated slots refused."""
+    from kernels.mamba2.chunk import chunk_ssd_in_place
+    from kernels.mamba2.varlen import locate_checkpoints
+    from tests.kernels.test_mamba2 import cu_of, make_inputs, random_state
+
+    lengths = [70, 0, 1, 33, 64]
+    x = make_inputs(sum(lengths))
+    cu, at, h0 = cu_of(lengths), torch.tensor([32, 64, 70, 71, 104, 136, 168]), random_state(len(lengths))
+    where = locate_checkpoints(at, cu, multiple_of=32)
+    init = h0.clone()
+    init[0] = 0
+    want = native.chunk_ssd(*x, init, cu, torch.stack([where.seq, where.offset], dim=1), 32)
+    pool = torch.randn(14, *h0.shape[1:], generator=torch.Generator().manual_seed(0))
+    slots, fresh, ck_slots = torch.tensor([7, 2, 9, 0, 4]), torch.tensor([True, False, False, False, False]), \
+        torch.tensor([11, 3, 5, 1, 8, 10, 13])
+    pool[slots[1:]] = h0[1:]
+    before = pool.clone()
+    y = chunk_ssd_in_place(*x, pool, slots, fresh, cu, at, ck_slots, chunk_size=32)
+    assert torch.equal(y, want[0]) and torch.equal(pool[slots], init) and torch.equal(pool[ck_slots], want[1])
+    others = [i for i in range(14) if i not in slots.tolist() + ck_slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+    with pytest.raises(RuntimeError, match="slots"):
+        chunk_ssd_in_place(*x, pool.clone(), torch.tensor([7, 2, 9, 0, 2]), fresh, cu, at, ck_slots, chunk_size=32)
+
+
+def _checkpoint_rows(at, cu):
+    from kernels.kda.common import check_checkpoints
+
+    cp = check_checkpoints(at, cu.tolist())
+    return torch.stack([cp.seq, cp.length], dim=1)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation", ["silu", None])
 def test_conv_kernel_equals_torch_conv(dtype, activation, monkeypatch):
