@@ -156,7 +156,7 @@ def _compiled(x, dt, A, B, C, D, initial_state, cu, checkpoint_at, chunk_size):
 def chunk_ssd_in_place(x, dt, A, B, C, D, state, slots, fresh, cu_seqlens, checkpoint_at=None, checkpoint_slots=None,
                        chunk_size: int = CHUNK_SIZE):
     """chunk_ssd with each sequence's state a row of a pool, through the compiled kernel: state
-    [P, H, P, S] fp32, sequence n's initial state in row slots[n] (zeros where fresh[n]) advanced
+    [rows, H, P, S] fp32, sequence n's initial state in row slots[n] (zeros where fresh[n]) advanced
     there in place to its final state, the state after each position of checkpoint_at written
     into row checkpoint_slots[i]. Returns y [T, H, P] in x's dtype, or None where the kernel does
     not run (nothing is written then)."""

@@ -137,7 +137,7 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
 }  // namespace
 
 // x [T, H, P], B, C [T, G, S] (one dtype: fp32 or bf16, contiguous); dt [T, H], A [H], D [H] or
-// empty, fp32; state [P, H, P, S] fp32 contiguous: rows of states (state_rows.h: sequence n's at
+// empty, fp32; state [rows, H, P, S] fp32 contiguous: rows of states (state_rows.h: sequence n's at
 // row slots[n], or row n without slots; zeros first where fresh; the checkpoints' into rows
 // checkpoint_slots, or returned), advanced in place from the initial to the final states;
 // cu_seqlens [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it consumed: a
