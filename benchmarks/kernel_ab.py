@@ -284,7 +284,7 @@ def compare(name: str, case: Case, old, new, repeats: int) -> dict:
 # kernels that advance states in place: (index of the states argument, index of the slots
 # argument, or None where every state in it is advanced)
 IN_PLACE = {"delta_step": (5, 6), "conv_step": (3, 4), "ssd_step": (6, 7), "chunk_delta_rule": (5, None),
-            "chunk_ssd": (6, None)}
+            "chunk_ssd": (6, None), "chunk_delta_rule_slots": (5, None), "chunk_ssd_slots": (6, None)}
 
 
 class Both:
