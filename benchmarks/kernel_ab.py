@@ -281,10 +281,11 @@ def compare(name: str, case: Case, old, new, repeats: int) -> dict:
             "ratio": best["new"] / best["old"], "max_diff": diff}
 
 
-# kernels that advance states in place: (index of the states argument, index of the slots
-# argument, or None where every state in it is advanced)
-IN_PLACE = {"delta_step": (5, 6), "conv_step": (3, 4), "ssd_step": (6, 7), "chunk_delta_rule": (5, None),
-            "chunk_ssd": (6, None), "chunk_delta_rule_slots": (5, None), "chunk_ssd_slots": (6, None)}
+# kernels the engine calls that advance states in place: (index of the states argument, index of
+# the slots argument, or None where the whole tensor is restored: the chunk kernels write their
+# sequences' and checkpoints' rows of it)
+IN_PLACE = {"delta_step": (5, 6), "conv_step": (3, 4), "ssd_step": (6, 7), "chunk_delta_rule_slots": (5, None),
+            "chunk_ssd_slots": (6, None)}
 
 
 class Both:

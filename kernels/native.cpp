@@ -69,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, c
                                                           const at::Tensor& fresh, const at::Tensor& checkpoint_slots);
 
 // chunk_delta_rule_slots with state [N, HV, K, V]: sequence n's state in row n, the checkpoints'
-// states returned.
+// states returned. The engine calls the slots form; this one keeps the signature modules built
+// before it have, so benchmarks/kernel_ab.py's chunk cases run on modules of either age.
 static std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                            const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
                                                            const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
@@ -85,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at
                                                    const at::Tensor& slots, const at::Tensor& fresh,
                                                    const at::Tensor& checkpoint_slots);
 
-// chunk_ssd_slots with state [N, H, P, S]: sequence n's state in row n, the checkpoints' states returned.
+// chunk_ssd_slots with state [N, H, P, S]: sequence n's state in row n, the checkpoints' states
+// returned (kept for kernel_ab.py's cases, as chunk_delta_rule).
 static std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
                                                     const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
                                                     at::Tensor& state, const at::Tensor& cu_seqlens,
