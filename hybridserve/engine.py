@@ -12,7 +12,7 @@ import torch
 
 from hybridserve.config import EngineConfig
 from hybridserve.host import ThreadGovernor, keep_freed_memory
-from hybridserve.outputs import Detokenizer, RequestOutput
+from hybridserve.outputs import Detokenizer, RequestOutput, ids_decoder
 from hybridserve.parallel import ParallelRunner, Workers
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
@@ -103,6 +103,7 @@ class Engine:
                                                    tp=TensorParallel.of() if tp > 1 else None)
         self.model_name = config.model if config.model == "builtin" else self.path.name
         self.tokenizer = load_tokenizer(config.model, self.path)
+        self.decode_ids = ids_decoder(self.tokenizer)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         self.plan, kv_pool, state_pool, host = build_memory(config, mc, config.device)
@@ -209,7 +210,7 @@ class Engine:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
         req = Req(rid, ids, params.max_tokens, sampling=params, stop_token_ids=frozenset(stops))
         self.scheduler.add(req)
-        self.requests[rid] = (req, Detokenizer(self.tokenizer, params.stop))
+        self.requests[rid] = (req, Detokenizer(self.tokenizer, params.stop, self.decode_ids))
         return rid
 
     def abort(self, rid: str) -> bool:
@@ -241,6 +242,8 @@ class Engine:
             return ended
         self._govern_threads()
         out = self.executor.run(batch)
+        if self.threads is not None:
+            self.threads.round_ended()
         self._check_drift(batch.predicted, out.elapsed)
         changed = self.scheduler.process(batch, out)
         extras = dict(zip(map(id, batch.sampling_reqs), out.extras or []))

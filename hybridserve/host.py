@@ -42,7 +42,13 @@ class ThreadGovernor:
     busy over the last `interval` seconds (from /proc/stat, less this process's own CPU time),
     between 1 and `ceiling`. `update()` before each round; it reads /proc at most once an
     interval (~40 us) and calls `set_threads` only when the count changes. Where /proc/stat is
-    not readable it keeps `ceiling`."""
+    not readable it keeps `ceiling`.
+
+    `round_ended()` after each round: a window in which no round ran for more than `interval`
+    is dropped (the count kept, a new window begun). What others did while this process asked
+    for nothing is not contention for its next rounds: a client starting up or building its
+    requests, then waiting on the answers, would otherwise put the first rounds of every burst
+    on fewer threads."""
 
     def __init__(self, ceiling: int, set_threads, interval: float = 0.2, clock=time.monotonic,
                  stat_path: str = "/proc/stat", own_cpu=None):
@@ -54,6 +60,7 @@ class ThreadGovernor:
         self.threads = ceiling
         self.others = 0.0  # cores others kept busy over the last interval
         self._last = self._sample()
+        self._ended: float | None = None  # when the last round ended
 
     def _sample(self) -> tuple[float, float, float] | None:
         """(now, busy CPU seconds of our CPUs, this process's CPU seconds), or None."""
@@ -69,8 +76,14 @@ class ThreadGovernor:
             return None
         return self.clock(), busy / self.tick, self.own_cpu()
 
+    def round_ended(self) -> None:
+        self._ended = self.clock()
+
     def update(self) -> int:
         now = self.clock()
+        if self._ended is not None and now - self._ended > self.interval:  # idle since: a new window
+            self._ended, self._last = None, self._sample()
+            return self.threads
         if self._last is None or now - self._last[0] < self.interval:
             return self.threads
         sample = self._sample()

@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from hybridserve.outputs import Detokenizer
+from hybridserve.outputs import Detokenizer, ids_decoder
 from models.builtin import ByteTokenizer
 
 CORPUS = ["héllo wörld, ça va? 你好世界 🙂 naïve café", "def f(x):\n    return x * 2  # π ≈ 3.14",
@@ -46,8 +46,8 @@ class Counting:
         return self.tok.decode(ids)
 
 
-def stream(tok, ids) -> tuple[str, list[str]]:
-    d = Detokenizer(tok, ())
+def stream(tok, ids, decode=None) -> tuple[str, list[str]]:
+    d = Detokenizer(tok, (), decode)
     pieces = [d.update(ids[:i], final=i == len(ids)) for i in range(1, len(ids) + 1)]
     return "".join(pieces), pieces
 
@@ -82,3 +82,23 @@ def test_each_step_decodes_a_window_not_the_whole_output():
     streamed, _ = stream(tok, ids)
     assert streamed == ByteTokenizer().decode(ids)
     assert tok.decoded <= 4 * len(ids)
+
+
+@pytest.mark.parametrize("make", [byte_level_bpe, sentencepiece_style])
+def test_backend_decoder_reads_as_the_tokenizer(make):
+    """Where `ids_decoder` takes the fast tokenizer's backend (spaces not cleaned up), it
+    decodes any ids, specials and invalid UTF-8 runs included, as `tokenizer.decode` does, and
+    streams the same pieces; where the tokenizer cleans up spaces it is `tokenizer.decode`."""
+    tok, rng = make(), random.Random(2)
+    tok.clean_up_tokenization_spaces = False
+    decode = ids_decoder(tok)
+    assert decode != tok.decode  # the backend's
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 40))]
+        assert decode(ids) == tok.decode(ids)
+        if ids:
+            assert stream(tok, ids, decode) == stream(tok, ids)  # piece by piece
+    tok.clean_up_tokenization_spaces = True
+    assert ids_decoder(tok) == tok.decode
+    byte = ByteTokenizer()
+    assert ids_decoder(byte) == byte.decode

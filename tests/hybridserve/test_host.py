@@ -87,6 +87,22 @@ def test_reads_the_stat_file_at_most_once_an_interval(tmp_path):
     assert gov.update() == 1
 
 
+def test_load_while_idle_does_not_set_the_next_rounds_threads(tmp_path):
+    fake = FakeHost(tmp_path)
+    n = len(os.sched_getaffinity(0))
+    gov = fake.governor(ceiling=n)
+    fake.advance(0.1, others_cores=0.0, own_cores=float(n))  # a round
+    gov.round_ended()
+    fake.advance(5.0, others_cores=float(n))  # idle: a client starts up on every CPU
+    assert gov.update() == n and fake.calls == []  # that window is dropped, the count kept
+    fake.advance(0.3, others_cores=0.0, own_cores=float(n))  # the burst's rounds, the client waiting
+    gov.round_ended()
+    assert gov.update() == n and fake.calls == [] and gov.others < 0.1  # (tick rounding)
+    fake.advance(0.3, others_cores=1.0, own_cores=n - 1.0)  # load during the rounds still counts
+    gov.round_ended()
+    assert gov.update() == max(1, n - 1)
+
+
 def test_unreadable_stat_keeps_the_ceiling(tmp_path):
     gov = ThreadGovernor(2, lambda t: (_ for _ in ()).throw(AssertionError("must not set threads")),
                          stat_path=str(tmp_path / "missing"))
