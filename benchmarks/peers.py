@@ -388,7 +388,10 @@ def table(results: list[dict]) -> str:
     return "\n".join(out)
 
 
-SERVE_METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "output_throughput", "duration")
+# the client's summary; ITL (inter-token latency, every gap between two tokens of a stream) shows
+# what a mean TPOT hides: the gaps a prefill round puts into the streams that decode beside it
+SERVE_METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms",
+                 "output_throughput", "duration")
 
 
 def server_command(engine: str, row: Row, path: Path, port: int, args, profile: str | Path) -> list[str]:
@@ -468,8 +471,8 @@ def serve_row(row: Row, path: Path, args, profile: str | Path, scratch: Path) ->
 
 def serve_table(results: list[dict]) -> str:
     """Markdown: per row, each engine's client metrics and our speed over vLLM's (> 1: we are faster)."""
-    out = ["| row | engine | mean TTFT ms | median TTFT ms | mean TPOT ms | median TPOT ms | output tok/s | "
-           "duration s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| row | engine | mean TTFT ms | median TTFT ms | mean TPOT ms | median TPOT ms | median ITL ms | "
+           "p99 ITL ms | output tok/s | duration s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         for name, key, fmt in (("hybridserve", "hybridserve", "{:.1f}"), ("vLLM", "vllm", "{:.1f}"),
                                ("hybridserve speed / vLLM", "speed", "{:.2f}x")):

@@ -84,8 +84,12 @@ class StatePool:
             if arena.bytes_per_page == 0:
                 raise ValueError("arena: a pool without KV bytes cannot store checkpoints")
             self.pages_per_checkpoint = -(-self.bytes_per_slot // arena.bytes_per_page)
-            self._views = [v.view(arena.num_pages, -1).view(torch.uint8) for layer in arena.buffers
-                           for v in layer.values()]
+            views = [v.view(arena.num_pages, -1).view(torch.uint8) for layer in arena.buffers for v in layer.values()]
+            # the pages' bytes as the widest words that divide every buffer's page: the copies in and out
+            # of pages run per element (int64: 1.9x the speed of bytes for a 0.4 MB checkpoint)
+            word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                        if all(v.shape[1] % w.itemsize == 0 for v in views))
+            self._views = [v.view(word) for v in views]
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -224,7 +228,7 @@ class StatePool:
             return
         data = torch.cat([buf[row].reshape(-1).view(torch.uint8) for layer in self.buffers for buf in layer.values()])
         data = torch.nn.functional.pad(data, (0, self.checkpoint_bytes - data.numel()))
-        data = data.view(len(pages), -1).to(self._views[0].device)
+        data = data.view(self._views[0].dtype).view(len(pages), -1).to(self._views[0].device)
         idx, at = torch.tensor(pages, device=data.device), 0
         for view in self._views:
             view[idx] = data[:, at:at + view.shape[1]]
@@ -238,7 +242,7 @@ class StatePool:
             return
         idx = torch.tensor(pages, device=self._views[0].device)
         # index_select: 6x faster than [idx] on bytes
-        data = torch.cat([view.index_select(0, idx) for view in self._views], dim=1).reshape(-1)
+        data = torch.cat([view.index_select(0, idx) for view in self._views], dim=1).reshape(-1).view(torch.uint8)
         at = 0
         for layer in self.buffers:
             for buf in layer.values():

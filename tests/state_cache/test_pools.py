@@ -150,13 +150,19 @@ def test_pools_on_cuda_copy_bit_exact():
     assert st.buffers[0]["recurrent"].dtype == torch.float32
 
 
-def test_arena_checkpoints_live_in_kv_pages_bit_exact():
+@pytest.mark.parametrize("page_size, layers, word", [
+    (16, MLA, torch.int64),  # pages of 16 x 160 bf16 per layer: copied as 8-byte words
+    (1, [{"kv": (1, 161)}, {"kv": (1, 162)}], torch.int16),  # 322 and 324 bytes: only 2-byte words divide both
+])
+def test_arena_checkpoints_live_in_kv_pages_bit_exact(page_size, layers, word):
     """With an arena, a checkpoint takes ceil(state bytes / page bytes) pages of the KV pool;
     a staged one is written through its row and moved into the pages by seal(), a save()d one
     goes straight there; restore() gives back every layer's state bit for bit, in its own
-    dtype; free() returns the pages and the row."""
-    kv = KVPool(40, 16, MLA, torch.bfloat16, "cpu")
+    dtype; free() returns the pages and the row. The pages are copied as the widest words that
+    divide every layer's page bytes."""
+    kv = KVPool(40 * 16 // page_size, page_size, layers, torch.bfloat16, "cpu")
     pool = StatePool(2, 1, KDA, "cpu", arena=kv)
+    assert all(v.dtype == word for v in pool._views)
     need = -(-state_bytes_per_slot(KDA) // kv.bytes_per_page)
     assert pool.pages_per_checkpoint == need and pool.checkpoint_bytes == need * kv.bytes_per_page
     a, b = pool.alloc_active(), pool.alloc_active()
@@ -165,7 +171,7 @@ def test_arena_checkpoints_live_in_kv_pages_bit_exact():
         for buf in layer.values():
             buf[a] = torch.randn(buf[a].shape, generator=g).to(buf.dtype)
     staged = pool.alloc_checkpoint()
-    assert kv.num_free == 40 - need and pool.alloc_checkpoint() is None  # one staging row only
+    assert kv.num_free == kv.num_pages - need and pool.alloc_checkpoint() is None  # one staging row only
     for layer in pool.buffers:
         for buf in layer.values():
             buf[pool.row(staged)] = buf[a]
@@ -190,5 +196,5 @@ def test_arena_checkpoints_live_in_kv_pages_bit_exact():
     pool.check_integrity()
     pool.free(staged)
     pool.free(direct)
-    assert kv.num_free == 40 and pool.num_free_checkpoints == 1 and pool.num_used_checkpoints == 0
+    assert kv.num_free == kv.num_pages and pool.num_free_checkpoints == 1 and pool.num_used_checkpoints == 0
     pool.check_integrity()
