@@ -119,6 +119,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> topk_softmax(const at::Tensor& logits, int64_t k, bool renorm);
 std::tuple<at::Tensor, at::Tensor> topk_scores(const at::Tensor& scores, const at::Tensor& bias, int64_t k,
                                                 bool renorm, double scaling);
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w);
 bool gemm_bf16_supported();
 bool gemm_bf16_onednn();
 at::Tensor pack_bf16(const at::Tensor& w);
@@ -156,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, nogil, "the residual add and the next RMS norm in one pass (kernels/norm/cpu_norm.cpp)");
   m.def("topk_softmax", &topk_softmax, nogil, "softmax routing: top-k probabilities and experts (kernels/moe/cpu_moe.cpp)");
   m.def("topk_scores", &topk_scores, nogil, "one-group routing: top-k experts by biased score (kernels/moe/cpu_moe.cpp)");
+  m.def("router_logits", &router_logits, nogil, "fp32 router logits of a few experts (kernels/moe/cpu_moe.cpp)");
   m.def("gemm_bf16_supported", &gemm_bf16_supported, "whether this CPU runs the bf16 micro-kernels (kernels/gemm/cpu_gemm.cpp)");
   m.def("gemm_bf16_onednn", &gemm_bf16_onednn, "whether they are oneDNN's (torch's bits) rather than the AVX2 ones");
   m.def("pack_bf16", &pack_bf16, nogil, "a bf16 weight [N, K] packed for linear_bf16 (kernels/gemm/cpu_gemm.cpp)");

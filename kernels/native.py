@@ -271,6 +271,15 @@ def topk_scores(scores, bias, k: int, renorm: bool, scaling: float) -> tuple[tor
     return None if ext is None else ext.topk_scores(scores, _f32(bias), k, renorm, scaling)
 
 
+def router_logits(x, weight) -> torch.Tensor | None:
+    """F.linear(x.float(), weight.float()) for a router: x [T, D] (fp32 or bf16) and weight [E, D],
+    each logit one fp32 sum of exact products over D (moe/cpu_moe.cpp); None where the kernel
+    cannot run (the caller uses torch)."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    ext = extension() if _routable(x) and x.dim() == 2 and not grad else None
+    return None if ext is None else ext.router_logits(_rows(x), _f32(weight))
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """t as contiguous fp32; t itself when it already is (no op dispatched: these wrappers run
     hundreds of times a decode step). A parameter's copy (a bf16 norm or conv weight) is made

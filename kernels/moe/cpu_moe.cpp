@@ -8,6 +8,10 @@
 
 #include "../widen.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -170,4 +174,78 @@ std::tuple<at::Tensor, at::Tensor> topk_scores(const at::Tensor& scores, const a
     }
   });
   return {w, idx};
+}
+
+namespace {
+
+constexpr int64_t ROUTER_ROWS = 4;  // rows a pass over the weights: each weight vector read once for them
+
+// out[r, e] = sum over d of x_r[d] w_e[d] for R rows (fp32, rows D apart): each sum held as 16
+// partial sums (lane j takes d = j mod 16 in order), then halves added (j + 8, j + 4, j + 2, j + 1),
+// so a score is the same whatever rows share the pass. With AVX-512 in registers (GCC kept the
+// portable form's partial sums on the stack: 4x slower).
+template <int R>
+void router_rows(const float* x, const float* w, int64_t E, int64_t D, float* out) {
+  for (int64_t e = 0; e < E; ++e) {
+    const float* we = w + e * D;
+#if defined(__AVX512F__)
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 m = D - d >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (D - d)) - 1);
+      const __m512 wv = _mm512_maskz_loadu_ps(m, we + d);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + r * D + d), wv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) out[r * E + e] = _mm512_reduce_add_ps(acc[r]);
+#else
+    float part[R][16] = {};
+    for (int64_t d = 0; d < D; ++d)
+      for (int r = 0; r < R; ++r) part[r][d % 16] += x[r * D + d] * we[d];
+    for (int r = 0; r < R; ++r) {
+      for (int h = 8; h >= 1; h /= 2)
+        for (int j = 0; j < h; ++j) part[r][j] += part[r][j + h];
+      out[r * E + e] = part[r][0];
+    }
+#endif
+  }
+}
+
+template <typename T>
+void router_logits_impl(const T* x, int64_t ld, const float* w, int64_t T_, int64_t E, int64_t D, float* out) {
+  at::parallel_for(0, (T_ + ROUTER_ROWS - 1) / ROUTER_ROWS, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(ROUTER_ROWS * D);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t t0 = b * ROUTER_ROWS, n = std::min(ROUTER_ROWS, T_ - t0);
+      for (int64_t r = 0; r < n; ++r)
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) rows[r * D + d] = as_float(x[(t0 + r) * ld + d]);
+      float* o = out + t0 * E;
+      switch (n) {
+        case 4: router_rows<4>(rows.data(), w, E, D, o); break;
+        case 3: router_rows<3>(rows.data(), w, E, D, o); break;
+        case 2: router_rows<2>(rows.data(), w, E, D, o); break;
+        default: router_rows<1>(rows.data(), w, E, D, o); break;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The router of models/layers/mlp.py's GroupedTopKRouter before its sigmoid: x [T, D] (fp32 or
+// bf16, unit stride in D, rows any stride apart) times w [E, D] (fp32, contiguous) -> logits [T, E]
+// fp32, each an fp32 sum of exact products over D (a bf16 x widened first). torch's fp32 linear
+// needs x widened into a copy and runs MKL's sgemm at ~64 GFLOP/s on 8 columns.
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "router_logits: x [T, D] with unit stride in D");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1) && w.is_contiguous() && w.scalar_type() == at::kFloat,
+              "router_logits: contiguous fp32 w [E, D]");
+  const int64_t T = x.size(0), D = x.size(1), E = w.size(0);
+  auto out = at::empty({T, E}, x.options().dtype(at::kFloat));
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "router_logits", [&] {
+    router_logits_impl(x.data_ptr<scalar_t>(), x.stride(0), wp, T, E, D, op);
+  });
+  return out;
 }

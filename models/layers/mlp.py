@@ -196,7 +196,8 @@ class GroupedTopKRouter(nn.Module):
         self.renorm, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        logits = native.router_logits(x, self.weight)
+        scores = (F.linear(x.float(), self.weight.float()) if logits is None else logits).sigmoid()  # [T, E]
         if self.groups == 1:
             routed = native.topk_scores(scores, self.e_score_correction_bias, self.top_k, self.renorm, self.scaling)
             if routed is not None:

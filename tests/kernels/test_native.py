@@ -1,4 +1,6 @@
 """The compiled CPU kernels equal the torch formulations they replace."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -408,6 +410,27 @@ def test_sigmoid_routing_equals_the_torch_router(renorm, top_k, monkeypatch):
     monkeypatch.setattr(native, "topk_scores", lambda *a: None)
     want_idx, want_w = router(x)
     assert calls and torch.equal(idx, want_idx) and torch.equal(w, want_w)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 37, 256, 300])
+def test_router_logits_are_fp32_sums_whatever_rows_share_the_call(dtype, d):
+    """router_logits = x w^T in fp32: within fp32 rounding of the exact (fp64) products' sum, as
+    close as torch's fp32 linear; each row's logits the same bits alone, in any batch and read from
+    a column range of a wider tensor (tails of D and of the 4-row passes included)."""
+    gen = torch.Generator().manual_seed(d)
+    w = torch.randn(8, d, generator=gen).bfloat16().float()  # a bf16 checkpoint's router, kept fp32
+    wide = torch.randn(13, d + 5, generator=gen).to(dtype)
+    x = wide[:, 3 : 3 + d]  # rows d + 5 apart
+    got = native.router_logits(x, w)
+    exact = x.double() @ w.double().T
+    bound = 4 * 2**-24 * (x.double().abs() @ w.double().abs().T) * math.ceil(math.log2(d))  # fp32 sum of d terms
+    assert got.dtype == torch.float32 and got.shape == (13, 8)
+    assert ((got.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(got, F.linear(x.float(), w), rtol=1e-5, atol=1e-5)
+    for rows in ([0], [5], [12, 0, 7], list(range(4, 13))):
+        assert torch.equal(native.router_logits(x[rows].contiguous(), w), got[rows])
 
 
 @needs_kernel
