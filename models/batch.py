@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from kernels.attention import PAD_PAGE, slot_mapping
@@ -109,14 +110,19 @@ class ForwardBatch:
                 ck_at.append(start + p - s.prefix_len)
                 ck_slots.append(slot)
         width = max(len(s.pages) for s in segments)
-        table = [list(s.pages) + [PAD_PAGE] * (width - len(s.pages)) for s in segments]
+        # filled row by row in numpy: torch.tensor of the padded lists took ~0.3 ms at 64 rows of 82
+        # pages, a decode step's (0.1 ms so)
+        table = np.full((len(segments), width), PAD_PAGE, dtype=np.int64)
+        for i, s in enumerate(segments):
+            table[i, : len(s.pages)] = s.pages
         wanted = range(len(segments)) if logits_for is None else logits_for
         logits_at = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i in wanted]
 
         def t(x):
             return torch.tensor(x, dtype=torch.long, device=device)
 
-        cu_seqlens, prefix_lens, page_table = t(cu), t([s.prefix_len for s in segments]), t(table)
+        cu_seqlens, prefix_lens = t(cu), t([s.prefix_len for s in segments])
+        page_table = torch.from_numpy(table).to(device)
         seq_lens = prefix_lens + t(lens)
         seg = torch.repeat_interleave(torch.arange(len(segments), device=device), t(lens))  # [T]
         return cls(
