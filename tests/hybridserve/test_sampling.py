@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hybridserve.sampling import Sampler, SamplingParams, filter_logits, find_stop
+from hybridserve.sampling import Sampler, SamplingParams, argmax_rows, filter_logits, find_stop
 
 
 def test_greedy_is_argmax():
@@ -9,6 +9,17 @@ def test_greedy_is_argmax():
     logits = torch.randn(5, 50)
     out = Sampler()(logits, [SamplingParams(temperature=0)] * 5, range(5))
     assert out.tokens == logits.argmax(-1).tolist()
+
+
+def test_argmax_rows_picks_torchs_index_on_ties_nan_and_inf():
+    """The CPU argmax picks the index torch's does: the first of equal maxima, the first NaN, the
+    first of an all -inf row; on random logits (bf16-rounded, so ties occur) as well."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[1., 3., 3., 0.], [nan, 5., nan, 1.], [1., nan, 9., 9.], [-inf] * 4, [2.] * 4,
+                         [0., 0., inf, inf]])
+    ties = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    for logits in (rows, ties, ties[:, ::3]):
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 
 
 def test_seed_reproducible_regardless_of_batch():
