@@ -2,13 +2,32 @@
 // states: rows of a state tensor [P, ...] (a pool's slots, read and written in place), sequence n
 // at row seq[n] (row n when no slots are given), zeroed first where fresh[n]; the state after
 // checkpoint i at row ck[i] of ck_rows: the state tensor itself when checkpoint slots are given,
-// else a new tensor of the checkpoints' states alone (`states`, returned to the caller).
+// else a new tensor of the checkpoints' states alone (`states`, returned to the caller); and the
+// checkpoints each sequence captures, in order (`checkpoint_plans`).
 #pragma once
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <numeric>
+#include <utility>
 #include <vector>
+
+// per sequence, (tokens consumed, checkpoint index) of its checkpoints, in order of tokens
+using Captures = std::vector<std::vector<std::pair<int64_t, int64_t>>>;
+
+// checkpoints [C, 2] int64 rows (sequence, tokens of it consumed) of N sequences, grouped by sequence
+inline Captures checkpoint_plans(const at::Tensor& checkpoints, int64_t N, const char* who) {
+  auto ck = checkpoints.to(at::kLong).contiguous();
+  const int64_t* ckp = ck.data_ptr<int64_t>();
+  Captures captures(N);
+  for (int64_t i = 0; i < ck.size(0); ++i) {
+    TORCH_CHECK(ckp[2 * i] >= 0 && ckp[2 * i] < N, who, ": a checkpoint's sequence out of range");
+    captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
+  }
+  for (auto& plan : captures) std::sort(plan.begin(), plan.end());
+  return captures;
+}
 
 struct StateRows {
   std::vector<int64_t> seq, ck;

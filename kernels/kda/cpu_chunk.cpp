@@ -310,7 +310,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
 
 template <typename T>
 void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_t>& cu, float* state,
-         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, const StateRows& where) {
+         const Captures& captures, const StateRows& where) {
   // A job is (sequence, key head) and runs the key head's value heads chunk by chunk: each
   // chunk's keys are loaded (and, with a decay per head, [K; Q] K^T formed) once for all of them.
   const int64_t N = static_cast<int64_t>(cu.size()) - 1, H = s.H, R = s.HV / s.H, KV = s.K * s.V;
@@ -375,16 +375,8 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, c
   std::vector<int64_t> cu(cu_t.data_ptr<int64_t>(), cu_t.data_ptr<int64_t>() + cu_t.numel());
   const int64_t N = static_cast<int64_t>(cu.size()) - 1;
   TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == K && state.size(3) == V, "state [P, HV, K, V]");
-  auto ck = checkpoints.to(at::kLong).contiguous();
-  const int64_t C = ck.size(0);
-  const StateRows where = state_rows(state, N, C, slots, fresh, checkpoint_slots, "chunk_delta_rule");
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> captures(N);
-  const int64_t* ckp = ck.data_ptr<int64_t>();
-  for (int64_t i = 0; i < C; ++i) {
-    TORCH_CHECK(ckp[2 * i] >= 0 && ckp[2 * i] < N, "chunk_delta_rule: a checkpoint's sequence out of range");
-    captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
-  }
-  for (auto& plan : captures) std::sort(plan.begin(), plan.end());
+  const StateRows where = state_rows(state, N, checkpoints.size(0), slots, fresh, checkpoint_slots, "chunk_delta_rule");
+  const Captures captures = checkpoint_plans(checkpoints, N, "chunk_delta_rule");
   auto out = at::empty({T, HV, V}, v.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_delta_rule", [&] {
     const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),

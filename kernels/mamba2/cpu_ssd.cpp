@@ -106,7 +106,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
 // job; the heads are split into blocks only as far as needed to give every thread work.
 template <typename T>
 void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>& cu, const std::vector<int64_t>& seqs,
-         const std::vector<std::vector<std::pair<int64_t, int64_t>>>& captures, float* sp, const StateRows& where) {
+         const Captures& captures, float* sp, const StateRows& where) {
   const int64_t H = s.H, R = s.H / s.G, PS = s.P * s.S, N = static_cast<int64_t>(seqs.size());
   const int64_t threads = at::get_num_threads();
   const int64_t split = std::clamp<int64_t>((4 * threads + N * s.G - 1) / std::max<int64_t>(N * s.G, 1), 1, R);
@@ -159,15 +159,8 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at
   const int64_t N = static_cast<int64_t>(cu.size()) - 1, H = s.H;
   TORCH_CHECK(state.dim() == 4 && state.size(1) == H && state.size(2) == s.P && state.size(3) == s.S,
               "state [rows, H, P, S]");
-  auto ck = checkpoints.to(at::kLong).contiguous();
-  const int64_t* ckp = ck.data_ptr<int64_t>();
-  const StateRows where = state_rows(state, N, ck.size(0), slots, fresh, checkpoint_slots, "chunk_ssd");
-  std::vector<std::vector<std::pair<int64_t, int64_t>>> captures(N);
-  for (int64_t i = 0; i < ck.size(0); ++i) {
-    TORCH_CHECK(ckp[2 * i] >= 0 && ckp[2 * i] < N, "chunk_ssd: a checkpoint's sequence out of range");
-    captures[ckp[2 * i]].emplace_back(ckp[2 * i + 1], i);
-  }
-  for (auto& plan : captures) std::sort(plan.begin(), plan.end());
+  const StateRows where = state_rows(state, N, checkpoints.size(0), slots, fresh, checkpoint_slots, "chunk_ssd");
+  const Captures captures = checkpoint_plans(checkpoints, N, "chunk_ssd");
   auto out = at::empty_like(x);
   auto Df = D.numel() ? D.to(at::kFloat).contiguous() : D;
   std::vector<int64_t> seqs(N);  // longest first

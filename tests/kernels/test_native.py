@@ -238,8 +238,8 @@ def test_chunk_kernel_in_pool_slots_equals_gathered_states(op):
     """chunk_in_place on a pool of states (sequences in scattered slots, two of them starting from
     zeros whatever their slots held, checkpoints written into other slots) gives the same outputs,
     final states and checkpoint states, bit for bit, as the kernel on gathered states; the pool's
-    other slots are untouched. Bad slots (repeated, or out of range) are refused before anything
-    is written."""
+    other slots are untouched. Bad slots (repeated, or out of range) and a checkpoint of no
+    sequence are refused before anything is written."""
     from kernels.kda.chunk import chunk_in_place
     from tests.kernels.fla_interpret import make_inputs
 
@@ -265,13 +265,19 @@ def test_chunk_kernel_in_pool_slots_equals_gathered_states(op):
         assert torch.equal(copy, pool)
     with pytest.raises(RuntimeError, match="checkpoint_slots"):
         chunk_in_place(q, k, v, g, beta, pool.clone(), slots, fresh, cu, at, torch.tensor([11, 3, 5, 1, 8, 7]))
+    copy = pool.clone()
+    with pytest.raises(RuntimeError, match="checkpoint's sequence out of range"):  # 5 sequences: 0..4
+        native.chunk_delta_rule(q, k, v, g, beta, copy, cu, torch.tensor([[5, 64]]), 32**-0.5, -20.0, slots, fresh,
+                                torch.tensor([11]))
+    assert torch.equal(copy, pool)
 
 
 @needs_kernel
 def test_ssd_kernel_in_pool_slots_equals_gathered_states():
     """chunk_ssd_in_place on a pool of states (scattered slots, one sequence starting from zeros,
     checkpoints into other slots) gives the kernel's outputs, final and checkpoint states on
-    gathered states, bit for bit; the pool's other slots are untouched; repeated slots refused."""
+    gathered states, bit for bit; the pool's other slots are untouched; repeated slots and a
+    checkpoint of no sequence refused before anything is written."""
     from kernels.mamba2.chunk import chunk_ssd_in_place
     from kernels.mamba2.varlen import locate_checkpoints
     from tests.kernels.test_mamba2 import cu_of, make_inputs, random_state
@@ -294,6 +300,10 @@ def test_ssd_kernel_in_pool_slots_equals_gathered_states():
     assert torch.equal(pool[others], before[others])
     with pytest.raises(RuntimeError, match="slots"):
         chunk_ssd_in_place(*x, pool.clone(), torch.tensor([7, 2, 9, 0, 2]), fresh, cu, at, ck_slots, chunk_size=32)
+    copy = pool.clone()
+    with pytest.raises(RuntimeError, match="checkpoint's sequence out of range"):  # 5 sequences: 0..4
+        native.chunk_ssd(*x, copy, cu, torch.tensor([[-1, 32]]), 32, slots, fresh, torch.tensor([11]))
+    assert torch.equal(copy, pool)
 
 
 def _checkpoint_rows(at, cu):
