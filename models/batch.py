@@ -9,12 +9,13 @@ by the recurrent step kernels. The batch carries the memory it runs on as plain 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from kernels.attention import PAD_PAGE, slot_mapping
+from kernels.attention import PAD_PAGE
 
 
 class Segment(NamedTuple):
@@ -87,54 +88,54 @@ class ForwardBatch:
         `logits_for` (default: every segment), or at every token with `all_logits`."""
         if not segments:
             raise ValueError("segments: a batch needs at least one segment")
-        ps = memory.page_size
-        lens = [len(s.input_ids) for s in segments]
-        if min(lens) < 1:
+        ps, n = memory.page_size, len(segments)
+        lens = np.fromiter((len(s.input_ids) for s in segments), np.int64, n)
+        if lens.min() < 1:
             raise ValueError("segments: every segment needs at least one token")
         num_decodes = 0
         for s in reversed(segments):
             if len(s.input_ids) != 1 or s.checkpoints or s.prefix_len == 0:
                 break
             num_decodes += 1
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
+        prefix = np.fromiter((s.prefix_len for s in segments), np.int64, n)
+        cu = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=cu[1:])
+        ends = prefix + lens
+        held = np.fromiter((len(s.pages) for s in segments), np.int64, n)
+        if (short := np.flatnonzero(held * ps < ends)).size:
+            i = short[0]
+            raise ValueError(f"segments: {held[i]} pages of {ps} cannot hold {ends[i]} tokens")
         ck_at, ck_slots = [], []
-        for s, start, n in zip(segments, cu, lens):
-            end = s.prefix_len + n
-            if len(s.pages) * ps < end:
-                raise ValueError(f"segments: {len(s.pages)} pages of {ps} cannot hold {end} tokens")
-            for p, slot in s.checkpoints:
-                if not s.prefix_len < p <= end:
-                    raise ValueError(f"segments: checkpoint at {p} outside ({s.prefix_len}, {end}]")
-                ck_at.append(start + p - s.prefix_len)
-                ck_slots.append(slot)
-        width = max(len(s.pages) for s in segments)
-        # filled row by row in numpy: torch.tensor of the padded lists took ~0.3 ms at 64 rows of 82
-        # pages, a decode step's (0.1 ms so)
-        table = np.full((len(segments), width), PAD_PAGE, dtype=np.int64)
         for i, s in enumerate(segments):
-            table[i, : len(s.pages)] = s.pages
-        wanted = range(len(segments)) if logits_for is None else logits_for
-        logits_at = list(range(cu[-1])) if all_logits else [cu[i + 1] - 1 for i in wanted]
+            for p, slot in s.checkpoints:
+                if not s.prefix_len < p <= ends[i]:
+                    raise ValueError(f"segments: checkpoint at {p} outside ({s.prefix_len}, {ends[i]}]")
+                ck_at.append(cu[i] + p - s.prefix_len)
+                ck_slots.append(slot)
+        # the tables in numpy and each index computed at once: a decode step's batch is 64 rows of
+        # ~85 pages, and building it op by op in torch took ~0.5 ms of a ~10 ms step
+        table = np.full((n, held.max()), PAD_PAGE, dtype=np.int64)
+        table[np.arange(table.shape[1]) < held[:, None]] = np.fromiter(
+            chain.from_iterable(s.pages for s in segments), np.int64, held.sum())  # row by row, in order
+        seg = np.repeat(np.arange(n), lens)  # [T] segment of each token
+        positions = np.arange(cu[-1]) - cu[seg] + prefix[seg]
+        wanted = range(n) if logits_for is None else logits_for
+        logits_at = np.arange(cu[-1]) if all_logits else cu[1:][np.asarray(list(wanted), dtype=np.int64)] - 1
+        ids = np.fromiter(chain.from_iterable(s.input_ids for s in segments), np.int64, cu[-1])
 
         def t(x):
-            return torch.tensor(x, dtype=torch.long, device=device)
+            return torch.from_numpy(np.asarray(x, dtype=np.int64)).to(device)
 
-        cu_seqlens, prefix_lens = t(cu), t([s.prefix_len for s in segments])
-        page_table = torch.from_numpy(table).to(device)
-        seq_lens = prefix_lens + t(lens)
-        seg = torch.repeat_interleave(torch.arange(len(segments), device=device), t(lens))  # [T]
         return cls(
             segments=list(segments),
-            input_ids=t([i for s in segments for i in s.input_ids]),
-            positions=torch.arange(cu[-1], device=device) - cu_seqlens[seg] + prefix_lens[seg],
-            cu_seqlens=cu_seqlens,
-            prefix_lens=prefix_lens,
-            seq_lens=seq_lens,
+            input_ids=t(ids),
+            positions=t(positions),
+            cu_seqlens=t(cu),
+            prefix_lens=t(prefix),
+            seq_lens=t(ends),
             state_slots=t([s.state_slot for s in segments]),
-            page_table=page_table,
-            kv_slots=slot_mapping(page_table, cu_seqlens, seq_lens, ps),
+            page_table=t(table),
+            kv_slots=t(table[seg, positions // ps] * ps + positions % ps),  # as kernels/attention slot_mapping
             checkpoint_at=t(ck_at),
             checkpoint_slots=t(ck_slots),
             logits_at=t(logits_at),

@@ -19,8 +19,10 @@ from state_cache import DecodeCheckpoint, MatchResult, PrefixCache
 
 
 class CacheManager:
-    """Where checkpoints go is the cache's `admission`; with `enable_prefix_cache` off in its
-    config, requests never resume from it (what they compute is still inserted)."""
+    """Where checkpoints go is the cache's `admission`. With `enable_prefix_cache` off in its
+    config, requests never resume from the cache, so no state checkpoint is taken (a copy of
+    every state at each chunk end and decode grid point that nothing would read); full KV pages
+    still enter the tree, which is how a request's pages are held."""
 
     def __init__(self, cache: PrefixCache, reserved: Callable[[], int] = lambda: 0):
         """reserved: the pages running requests may still allocate (checkpoints never take them)."""
@@ -95,7 +97,10 @@ class CacheManager:
     def chunk_checkpoints(self, req: Req, start: int, end: int) -> tuple[tuple[int, int], ...]:
         """(position, slot) for the admitted checkpoints in (start, end], as far as slots are left.
         A kernel writes states G-multiples from a segment's start (and at its end), so a chunk
-        starting off the grid (cuts not aligned) can checkpoint only its own end."""
+        starting off the grid (cuts not aligned) can checkpoint only its own end. None when
+        requests never resume from the cache."""
+        if not self.hits:
+            return ()
         out = []
         for pos, kind in self.admission.prefill(start, end, req.fill_len, req.branch_pos, req.share_points).items():
             if start % self.g and pos != end:
@@ -120,7 +125,9 @@ class CacheManager:
             req.transient_ckpts = [p for p in req.transient_ckpts if p > end] or req.transient_ckpts[-1:]
 
     def after_decode(self, req: Req) -> None:
-        """Checkpoint the decode state when prefix_len lands on the grid."""
+        """Checkpoint the decode state when prefix_len lands on the grid (if anything may resume from it)."""
+        if not self.hits:
+            return
         pos = req.prefix_len
         decision = self.admission.decode(pos)
         if decision is DecodeCheckpoint.NONE:

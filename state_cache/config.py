@@ -16,7 +16,7 @@ from state_cache.eviction import policy_names
 class CacheConfig:
     enable_prefix_cache: bool = field(default=True, metadata={
         "help": "resume requests from cached prefixes (KV + state checkpoints); off: compute every prompt "
-                "in full (what is computed is still cached)"})
+                "in full and take no state checkpoints"})
     eviction: str = field(default="gdsf", metadata={
         "help": "prefix-cache eviction policy: gdsf (FLOPs saved per byte on top of an aging level that rises "
                 "to each evicted entry's worth), utility (FLOPs saved per byte blended with recency by "

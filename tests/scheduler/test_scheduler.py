@@ -58,6 +58,35 @@ def test_resend_resumes_from_deepest_checkpoint():
     assert chunks[0].start == 960 and s.counters["prefill_tokens"] - before == len(p) - 960
 
 
+def test_with_the_prefix_cache_off_no_state_checkpoint_is_taken():
+    """Off, nothing resumes from the cache, so no state is copied: no checkpoint slot is taken at
+    a chunk end or a decode grid point (on, the same requests take both kinds), retracted
+    requests still complete, and a resend computes its whole prompt again."""
+    taken = {}
+    for cache in (True, False):
+        s, ex = make("budget", pages=30, token_budget=512, decode_reserve=0.25, enable_prefix_cache=cache)
+        kinds: list = []
+
+        def counted(*a, alloc=s.cache.alloc_checkpoint, kinds=kinds, **kw):
+            kinds.append(kw.get("kind"))
+            return alloc(*a, **kw)
+
+        s.cache.alloc_checkpoint = counted
+        reqs = [req(f"r{i}", prompt(i, 300), new=300) for i in range(4)]
+        run(s, ex, reqs, on_round=lambda sc: sc.check_integrity())
+        assert s.counters["retractions"] > 0 and all(r.finished and len(r.output_ids) == 300 for r in reqs)
+        taken[cache] = set(kinds)
+        s.flush_cache()
+        assert s.cache.kv_pool.num_free == 30 and s.cache.state_pool.num_free_active == 16
+    assert {"decode", "chunk", "last"} <= taken[True] and taken[False] == set()
+    s, ex = make("serial", enable_prefix_cache=False)
+    p = prompt(7, 1000)
+    run(s, ex, [req("a", p)])
+    b = req("b", p, at=ex.clock.now)
+    run(s, ex, [b])
+    assert b.cached_tokens == 0 and s.counters["prefill_tokens"] == 2 * len(p)
+
+
 def test_next_turn_resumes_after_previous_output():
     """A conversation's next turn (prompt + output + new text) hits the last G-position of the
     previous turn's prompt + output (the rolling decode checkpoint)."""
