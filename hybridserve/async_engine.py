@@ -201,7 +201,7 @@ class AsyncEngine:
         try:
             if kind == "add":
                 rid, prompt, params, sink = args
-                result = self.engine.add_request(prompt, params, rid)
+                result = self.engine.add_request(prompt, params, rid, outputs="delta")
                 self._sinks[rid] = sink
             else:
                 result = args[0](self.engine)
@@ -226,7 +226,7 @@ class AsyncEngine:
         for o in outs:
             sink = self._sinks.pop(o.rid, None) if o.finished else self._sinks.get(o.rid)
             if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, o if o.finished else o.delta()))
+                by_loop.setdefault(sink.loop, []).append((sink.queue, o))
         for loop, items in by_loop.items():
             self._deliver(loop, items)
         self.stats = self.engine.stats()

@@ -12,7 +12,7 @@ import torch
 
 from hybridserve.config import EngineConfig
 from hybridserve.host import ThreadGovernor, keep_freed_memory
-from hybridserve.outputs import Detokenizer, RequestOutput, ids_decoder
+from hybridserve.outputs import OUTPUTS, Detokenizer, RequestOutput, ids_decoder
 from hybridserve.parallel import ParallelRunner, Workers
 from hybridserve.runner import ModelRunner
 from hybridserve.sampling import Sampler, SamplingParams
@@ -121,7 +121,7 @@ class Engine:
             self.executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
         cost = self._with_host_link(self._cost_model()).context_parallel(config.context_parallel_size)
         self.scheduler = Scheduler(self.cache, config.scheduler, cost, time.monotonic)
-        self.requests: dict[str, tuple[Req, Detokenizer]] = {}
+        self.requests: dict[str, tuple[Req, Detokenizer, str]] = {}  # rid -> (req, its text, OUTPUTS kind)
         self._ids = itertools.count()
         self.threads: ThreadGovernor | None = None  # made at the first round, on the thread that steps
         self.drift: Drift | None = Drift()  # None once it has warned
@@ -200,17 +200,21 @@ class Engine:
                              f"for this prompt")
         return ids
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None) -> str:
-        """Queue a request; returns its id. ValueError for input the engine cannot serve."""
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
+                    outputs: str = "cumulative") -> str:
+        """Queue a request; returns its id. ValueError for input the engine cannot serve.
+        `outputs`: what step() returns for it (OUTPUTS); the last output is whole in every kind."""
         params = params or SamplingParams()
         ids = self.validate(prompt, params)
+        if outputs not in OUTPUTS:
+            raise ValueError(f"outputs: {outputs!r} is not one of {', '.join(OUTPUTS)}")
         rid = rid or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"rid: {rid!r} is already in use")
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
         req = Req(rid, ids, params.max_tokens, sampling=params, stop_token_ids=frozenset(stops))
         self.scheduler.add(req)
-        self.requests[rid] = (req, Detokenizer(self.tokenizer, params.stop, self.decode_ids))
+        self.requests[rid] = (req, Detokenizer(self.tokenizer, params.stop, self.decode_ids), outputs)
         return rid
 
     def abort(self, rid: str) -> bool:
@@ -235,7 +239,7 @@ class Engine:
         """One round: schedule -> run -> process; outputs of the requests that moved, and of
         those the scheduler ended while they waited (queue timeout)."""
         batch = self.scheduler.schedule()
-        ended = [self._output(r, None, new_token=False) for r in self.scheduler.pop_ended()]
+        ended = [o for r in self.scheduler.pop_ended() if (o := self._output(r, None, new_token=False))]
         if batch is None:
             if self.config.debug_integrity and not self.scheduler.running:
                 self.scheduler.check_integrity()
@@ -247,7 +251,7 @@ class Engine:
         self._check_drift(batch.predicted, out.elapsed)
         changed = self.scheduler.process(batch, out)
         extras = dict(zip(map(id, batch.sampling_reqs), out.extras or []))
-        return ended + [self._output(r, extras.get(id(r))) for r in changed]
+        return ended + [o for r in changed if (o := self._output(r, extras.get(id(r))))]
 
     def _check_drift(self, predicted: float, elapsed: float) -> None:
         """Warn once when rounds take more than DRIFT_LIMIT times, or less than 1 / DRIFT_LIMIT of,
@@ -269,18 +273,26 @@ class Engine:
             self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
         self.threads.update()
 
-    def _output(self, req: Req, logprob, new_token: bool = True) -> RequestOutput:
-        """req's output after this step; new_token: whether the step appended one."""
-        _, detok = self.requests[req.rid]
+    def _output(self, req: Req, logprob, new_token: bool = True) -> RequestOutput | None:
+        """req's output after this step (new_token: whether the step appended one); None where
+        its kind returns nothing yet. A "final" request without stop strings is decoded once, at
+        the end."""
+        _, detok, kind = self.requests[req.rid]
+        if kind == "final" and not req.finished and not detok.stop:
+            return None
         new_text = detok.update(req.output_ids, final=req.finished)
         if detok.stopped and not req.finished:
             self.scheduler.finish(req, "stop")
         if req.finished:
             self.requests.pop(req.rid, None)
             self.sampler.release(req.rid)
+        elif kind == "final":
+            return None
         new_ids = req.output_ids[-1:] if new_token else []
-        return RequestOutput(req.rid, req.input_ids, list(req.output_ids), detok.text, new_ids, new_text,
-                             req.finished, req.finish_reason, req.cached_tokens, [logprob] if logprob else [])
+        whole = req.finished or kind == "cumulative"  # a delta leaves out what earlier steps returned
+        return RequestOutput(req.rid, req.input_ids, list(req.output_ids) if whole else [], detok.text if whole else "",
+                             new_ids, new_text, req.finished, req.finish_reason, req.cached_tokens,
+                             [logprob] if logprob else [])
 
     def fail_inflight(self) -> list[str]:
         """After a step raised: abort the requests of the rounds in flight (the scheduler frees

@@ -51,7 +51,7 @@ class LLM:
                 ids.append(engine.validate(p, sp))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from None
-        rids = [engine.add_request(x, sp) for x, sp in zip(ids, per)]
+        rids = [engine.add_request(x, sp, outputs="final") for x, sp in zip(ids, per)]
         done: dict[str, RequestOutput] = {}
         try:
             while len(done) < len(rids):

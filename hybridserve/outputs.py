@@ -1,10 +1,18 @@
 """What the engine reports per request, and the detokenizer that builds it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from hybridserve.sampling import find_stop
+
+# What Engine.step returns for a request (Engine.add_request's `outputs`):
+#   cumulative  every step: all tokens and text so far, and what this step added
+#   delta       every step: what it added (token_ids and text left empty, so a stream holds and
+#               copies O(tokens), not O(tokens^2)); the last output whole
+#   final       the last output only (LLM.generate, as vLLM's FINAL_ONLY), its text decoded once
+#               unless stop strings are watched for every step
+OUTPUTS = ("cumulative", "delta", "final")
 
 
 @dataclass(frozen=True)
@@ -20,7 +28,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; `new_*` fields hold what this step added."""
+    """A request's state after a step; `new_*` fields hold what this step added. `token_ids`
+    and `text` are empty in a "delta" request's outputs but its last (OUTPUTS)."""
 
     rid: str
     prompt_token_ids: list[int]
@@ -32,11 +41,6 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cached_tokens: int = 0
     logprobs: list[tuple[float | None, list | None]] = field(default_factory=list)  # per new token
-
-    def delta(self) -> RequestOutput:
-        """This output without what earlier steps produced (`token_ids` and `text` empty): what
-        a stream queues per step, so an unread stream holds O(tokens), not O(tokens^2)."""
-        return replace(self, token_ids=[], text="")
 
     @property
     def outputs(self) -> list[CompletionOutput]:

@@ -146,3 +146,41 @@ def test_a_profile_far_off_the_measured_rounds_is_warned_about_once(tmp_path, ca
             eng.step()
     warned = [r.getMessage() for r in caplog.records if "its predictions" in r.getMessage()]
     assert len(warned) == 1 and str(path) in warned[0] and "hybridserve calibrate" in warned[0]
+
+
+def test_output_kinds_return_the_same_request_each_their_way(profile):
+    """The same greedy request as "cumulative", "delta" and "final" outputs (the built-in model's
+    byte tokenizer, so characters span tokens): one last output, the same in all three; a delta's
+    earlier outputs carry only what their step added, which adds up to it; "final" returns
+    nothing before it. With a stop string taken from that text, every kind stops at it."""
+    eng = Engine(model="builtin", dtype="float32", memory_gb=0.05, max_running=8, cost_profile=profile)
+    prompt = "def f(x): # caf\u00e9 \u2603\n"
+
+    def run(params):
+        rids = {kind: eng.add_request(prompt, params, outputs=kind) for kind in ("cumulative", "delta", "final")}
+        seen = {kind: [] for kind in rids}
+        kind_of = {rid: kind for kind, rid in rids.items()}
+        while eng.has_unfinished():
+            for o in eng.step():
+                seen[kind_of[o.rid]].append(o)
+        return seen
+
+    seen = run(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    last = seen["cumulative"][-1]
+    assert last.finished and len(last.token_ids) == 40 and len(seen["cumulative"]) > 1
+    for kind in ("delta", "final"):
+        end = seen[kind][-1]
+        assert (end.finished, end.token_ids, end.text, end.finish_reason) == (True, last.token_ids, last.text, "length")
+    assert len(seen["final"]) == 1
+    deltas = seen["delta"]
+    assert all(o.token_ids == [] and o.text == "" for o in deltas[:-1])
+    assert [t for o in deltas for t in o.new_token_ids] == last.token_ids
+    assert "".join(o.new_text for o in deltas) == last.text
+    stop = last.text[len(last.text) // 2: len(last.text) // 2 + 2]
+    want = last.text[: last.text.find(stop)]
+    stopped = run(SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
+    for kind, outs in stopped.items():
+        assert (outs[-1].text, outs[-1].finish_reason) == (want, "stop"), kind
+    with pytest.raises(ValueError, match="outputs: 'partial' is not one of cumulative, delta, final"):
+        eng.add_request(prompt, GREEDY, outputs="partial")
+    assert not eng.has_unfinished()
