@@ -95,7 +95,10 @@ class Detokenizer:
         self.stopped = False
 
     def update(self, ids: list[int], final: bool = False) -> str:
-        """Text that became final since the last call (everything left when `final`)."""
+        """Text that became final since the last call (everything left when `final`); nothing
+        after a stop string (the text stays cut there)."""
+        if self.stopped:
+            return ""
         pending = ""
         if len(ids) > self.read:
             context = self.decode(ids[self.prefix : self.read])

@@ -102,3 +102,37 @@ def test_backend_decoder_reads_as_the_tokenizer(make):
     assert ids_decoder(tok) == tok.decode
     byte = ByteTokenizer()
     assert ids_decoder(byte) == byte.decode
+
+
+@pytest.mark.parametrize("make", [byte_level_bpe, sentencepiece_style, ByteTokenizer])
+def test_stop_strings_cut_the_stream_where_the_output_first_holds_one(make):
+    """Random texts and stop strings taken from them (several, overlapping, some spanning tokens):
+    the streamed pieces join to the text of the first prefix of the ids whose decode holds a
+    stop string, cut before the earliest one in it (a stop string that starts earlier but ends
+    later is not waited for); `text` is what was returned plus what is held back at every step;
+    nothing is returned past the stop."""
+    tok, rng = make(), random.Random(3)
+    for _ in range(150):
+        text = "".join(rng.choice(CHARS) for _ in range(rng.randrange(2, 40)))
+        ids = list(tok.encode(text))
+        whole = tok.decode(ids)
+        if "\ufffd" in whole or len(whole) < 2:
+            continue
+        stops = []
+        for _ in range(rng.randrange(1, 4)):
+            a = rng.randrange(len(whole))
+            stops.append(whole[a: a + rng.randrange(1, 5)])
+        stops.append("never \u2603\u2603")
+        for i in range(1, len(ids) + 1):  # the first prefix (its complete characters) holding a stop
+            seen = tok.decode(ids[:i]).rstrip("\ufffd")
+            if any(s in seen for s in stops):
+                want = seen[: min(seen.find(s) for s in stops if s in seen)]
+                break
+        d, pieces = Detokenizer(tok, tuple(stops)), []
+        for i in range(1, len(ids) + 1):
+            pieces.append(d.update(ids[:i], final=i == len(ids)))
+            assert d.text.startswith("".join(pieces))
+            if d.stopped:
+                break
+        assert "".join(pieces) == d.text == want and d.stopped
+        assert d.update(ids, final=True) == "" and d.text == want
