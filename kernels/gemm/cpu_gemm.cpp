@@ -404,11 +404,15 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t f = 0; f < T * k; ++f) rows[fill[ip[f]]++] = f;
-  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first row in `rows`, or token for E)
-  if (shared)  // first: the shared expert's items are the largest, and threads take items in order
-    for (int64_t r = 0; r < T; r += BM) items.emplace_back(E, r);
+  std::vector<std::array<int64_t, 3>> items;  // (expert, first row in `rows` or token for E, rows)
+  if (shared) {  // first: the shared expert's items are the largest, and threads take items in order
+    // with fewer than BM tokens a thread (decode), the shared rows are split between the threads:
+    // as one item, one thread ran the shared expert while the other ran every routed one
+    const int64_t threads = at::get_num_threads(), sb = T >= BM * threads ? BM : (T + threads - 1) / threads;
+    for (int64_t r = 0; r < T; r += sb) items.push_back({E, r, std::min(sb, T - r)});
+  }
   for (int64_t e = 0; e < E; ++e)
-    for (int64_t r = start[e]; r < start[e + 1]; r += BM) items.emplace_back(e, r);
+    for (int64_t r = start[e]; r < start[e + 1]; r += BM) items.push_back({e, r, std::min(BM, start[e + 1] - r)});
 
   auto y = at::empty({T * k, D}, x.options());  // expert output of each (token, choice)
   auto sy = shared ? at::empty({T, D}, x.options()) : at::Tensor();  // the shared expert's, per token
@@ -421,15 +425,20 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
   const int64_t n_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
     FlushDenormals flush;
-    std::vector<BFloat16> A(BM * D), H(BM * IP);
-    std::vector<float> C(std::min(GB, ND) * BM * BN);
+    // this thread's buffers, kept from call to call (a decode step's call is ~0.2 ms: filling
+    // fresh ones with zeros each time was a few percent of it)
+    thread_local std::vector<BFloat16> A, H;
+    thread_local std::vector<float> C;
+    A.resize(BM * D);
+    H.resize(BM * IP);
+    C.resize(std::min(GB, ND) * BM * BN);
     alignas(64) float G[BM * BN], U[BM * BN];
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-      const auto [e, r0] = items[it];
+      const auto [e, r0, m] = items[it];
       const bool own = e == E;  // the shared expert: x's rows in place, its own outputs
       const at::Tensor& gu = own ? shared_gu : gate_up;
       const at::Tensor& dn = own ? shared_dn : down;
-      const int64_t NI = gu.size(2), I = dn.size(2), ld = NI * BN, m = std::min(BM, own ? T - r0 : start[e + 1] - r0);
+      const int64_t NI = gu.size(2), I = dn.size(2), ld = NI * BN;
       const BFloat16* a = X + r0 * D;
       if (!own) {
         for (int64_t r = 0; r < m; ++r) std::memcpy(&A[r * D], X + rows[r0 + r] / k * D, D * sizeof(BFloat16));

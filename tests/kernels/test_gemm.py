@@ -233,6 +233,26 @@ def test_moe_runs_a_shared_expert_in_the_same_call(monkeypatch, tokens, gated):
 
 
 @needs_bf16_gemm
+def test_moe_shared_rows_split_between_threads_change_no_bit():
+    """At decode sizes (fewer than 64 tokens a thread) the shared expert's rows are split
+    between the threads: 1, 2 or 3 threads give the same bits."""
+    experts, x, idx, w = experts_and_routing(40)
+    torch.manual_seed(1)
+    shared = GatedMLP(64, 40).bfloat16()
+    scale = torch.sigmoid(torch.randn(40, 1)).bfloat16()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        with torch.no_grad():
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                outs.append(run_experts(x, experts, idx, w, shared=shared, scale=scale))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_bf16_gemm
 def test_moe_routes_every_choice_to_one_expert():
     """Skewed routing (every token on the same two experts, several row blocks each) and an
     expert no token chose."""
