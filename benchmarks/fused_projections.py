@@ -49,7 +49,7 @@ def decode_steps(model: str, args) -> dict[bool, list[float]]:
     for _ in range(args.sequences):
         prompt = same if args.same_prompt else [rng.randrange(vocab) for _ in range(args.prompt)]
         eng.add_request(eng.validate(prompt, sp), sp)
-    while any(not r.output_ids for r, _ in eng.requests.values()):  # every prompt prefilled
+    while any(not r.output_ids for r, *_ in eng.requests.values()):  # every prompt prefilled
         eng.step()
     pad_free_rows, times = mlp.PAD_FREE_ROWS, {True: [], False: []}
     try:
