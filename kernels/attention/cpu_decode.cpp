@@ -89,16 +89,19 @@ inline void scores16(const c10::BFloat16* q, const c10::BFloat16* const* keys, i
 }
 
 // acc[r, 64 columns] += sum_i p[r, i] values[i][col, col + 64) for G rows (p rows ld apart, acc rows
-// lda apart), the accumulators in registers over the n keys
+// lda apart), the accumulators in registers over the n keys; with `ahead`, the row 16 keys on
+// prefetched (values holds 16 rows past n)
 template <int G>
 void values64(const float* p, int64_t ld, const c10::BFloat16* const* values, int64_t col, int64_t n, float* acc,
-              int64_t lda) {
+              int64_t lda, bool ahead) {
   __m512 a[G][4];
   for (int r = 0; r < G; ++r)
     for (int c = 0; c < 4; ++c) a[r][c] = _mm512_loadu_ps(acc + r * lda + 16 * c);
   for (int64_t i = 0; i < n; ++i) {
-    __builtin_prefetch(values[i + 16] + col);  // the row 16 keys on (values holds 16 rows past n)
-    __builtin_prefetch(values[i + 16] + col + 32);
+    if (ahead) {
+      __builtin_prefetch(values[i + 16] + col);
+      __builtin_prefetch(values[i + 16] + col + 32);
+    }
     __m512 v[4];
     for (int c = 0; c < 4; ++c) v[c] = widen16(values[i] + col + 16 * c);
     for (int r = 0; r < G; ++r) {
@@ -135,7 +138,8 @@ constexpr int64_t LEAD = 48;          // the same through AVX-512 BF16 (a multip
 //   the scale applied to the sums; the value rows added into accumulators held in registers over
 //   the step, 4 query heads by 64 columns at a time; the key rows LEAD keys on prefetched across
 //   pages while scoring, each value row 16 keys before it is added (prefetched with the keys, they
-//   were out of L1 by the time the step's values were added: 1.4x slower at 64 x 1,344 keys).
+//   were out of L1 by the time the step's values were added: 1.1-1.2x slower at 64 x 1,344 keys;
+//   MLA's latent values are its key rows, not prefetched again).
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
             const at::Tensor& lens, double scale, at::Tensor& out) {
@@ -294,7 +298,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
             for (int64_t r = 0; r < R; r += 4)
               for (int64_t c = 0; c < Dv; c += 64)
                 VALUES64[std::min<int64_t>(4, R - r) - 1](p.data() + r * block, block, vrows.data(), c, cnt,
-                                                          a + r * Dv + c, Dv);
+                                                          a + r * Dv + c, Dv, !latent);
             continue;
           }
 #endif
