@@ -1,19 +1,22 @@
 """Decode steps with fused projections against separate ones, alternating in one process.
 
     python -m benchmarks.fused_projections [--models qwen3-next builtin] [--sequences 64] [--threads 2]
-                                           [--same-prompt]
+                                           [--same-prompt] [--compare projections|bodies]
 
 For each model, `--sequences` requests of `--prompt` tokens are prefilled, then every decode
 step runs either with the current projections (models/layers/linear.py's fused_linear and the
 padded MoE path for any batch of at most PAD_FREE_ROWS rows per expert) or with separate
 matmuls and the old padding rule (balanced routing only), switching at each step, so the two
-see the same contexts and the same drift of a shared machine. Prints the median and 20th
+see the same contexts and the same drift of a shared machine. With `--compare bodies` the two
+ways are the layers' one-call decode bodies (models/batch.py FUSED_DECODE: kernels/native.py
+delta_decode and attention_decode, which give the same bits) against their kernels called one
+by one from Python. Prints the median and 20th
 percentile step of each and the ratio of the medians. With --same-prompt every sequence is
 the same, so every token picks the same experts: the most skewed routing, where the padding
 rule matters most. Also times one bf16 matmul of
 `--sequences` rows with 8 outputs against one with 256 (the fixed cost the fusion saves).
 Models: `qwen3-next` (the peer benchmark's bf16 checkpoint, benchmarks/peer_models.py, built
-once under --cache) and `builtin` (the built-in Kimi model, fp32).
+once under --cache) and `builtin` (the built-in Kimi model, fp32; `--dtype` sets both).
 """
 from __future__ import annotations
 
@@ -26,12 +29,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import models.batch
 import models.layers.linear as linear
 import models.layers.mlp as mlp
 from benchmarks.peer_models import build
 
 
-def set_fused(on: bool, pad_free_rows: int) -> None:
+def set_fused(on: bool, pad_free_rows: int, compare: str = "projections") -> None:
+    if compare == "bodies":
+        models.batch.FUSED_DECODE = on
+        return
     linear.ENABLED = on
     mlp.PAD_FREE_ROWS = pad_free_rows if on else 0
 
@@ -40,6 +47,7 @@ def decode_steps(model: str, args) -> dict[bool, list[float]]:
     from hybridserve import LLM, SamplingParams
 
     path, dtype = ("builtin", "float32") if model == "builtin" else (str(build(model, args.cache)[0]), "bfloat16")
+    dtype = args.dtype or dtype
     llm = LLM(path, dtype=dtype, enable_prefix_cache=False, max_running=args.sequences, memory_gb=2.0)
     eng = llm.engine
     rng = random.Random(0)
@@ -55,12 +63,12 @@ def decode_steps(model: str, args) -> dict[bool, list[float]]:
     try:
         for i in range(args.steps):
             fused = i % 2 == 1
-            set_fused(fused, pad_free_rows)
+            set_fused(fused, pad_free_rows, args.compare)
             t0 = time.perf_counter()
             eng.step()
             times[fused].append(time.perf_counter() - t0)
     finally:
-        set_fused(True, pad_free_rows)
+        set_fused(True, pad_free_rows, args.compare)
     return times
 
 
@@ -83,6 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--same-prompt", action="store_true",
                     help="one prompt for every sequence: every token routed alike (the most skewed MoE batch)")
+    ap.add_argument("--compare", choices=["projections", "bodies"], default="projections",
+                    help="fused projections against separate ones, or the layers' one-call decode bodies against "
+                         "their kernels one by one")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="both models' dtype (default: as above)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -210,6 +210,41 @@ def conv_step(x, weight, bias, state, slots, silu: bool) -> torch.Tensor | None:
                          state, slots, silu)
 
 
+def delta_decode(qkv, conv_w, conv_state, state, slots, heads: tuple[int, int, int, int], a, A_log, dt_bias, b,
+                 eps: float, gate, norm, dtype: torch.dtype) -> torch.Tensor | None:
+    """A KDA / GDN layer's decode rows in one call (native.cpp): conv_step over qkv, delta_prepare,
+    delta_step, then the gated output norm `norm` (GatedRMSNorm) with `gate` [T, HV, V], into
+    `dtype` -- what those wrappers compute, with the states advanced in their slots; None where any
+    of them would not run."""
+    h, k, hv, v = heads
+    ok = _routable(qkv) and qkv.dim() == 2 and qkv.stride(1) == 1 and a.dtype == b.dtype == qkv.dtype
+    ok = ok and a.dim() == b.dim() == 3 and a.stride(2) == b.stride(2) == 1 and dtype in (torch.float32, torch.bfloat16)
+    ok = ok and conv_state.is_contiguous() and conv_state.dtype in (torch.float32, torch.bfloat16)
+    ok = ok and state.dtype == torch.float32 and _routable(gate) and gate.shape == (qkv.shape[0], hv, v)
+    ext = extension() if ok else None
+    if ext is None:
+        return None
+    return ext.delta_decode(_rows(qkv), _f32(conv_w), conv_state, state, slots, h, k, hv, v, a, _f32(A_log).view(-1),
+                            _f32(dt_bias).view(-1), b, eps, k ** -0.5, gate, _f32(norm.weight), norm.eps,
+                            norm.activation, dtype)
+
+
+def attention_decode(q, gate, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, kv_slots, page_table, seq_lens,
+                     scale: float) -> torch.Tensor | None:
+    """A gated GQA layer's decode rows in one call (native.cpp): rms_norm_rope of q and k, k and v
+    written into their cache slots, paged_decode, then times sigmoid(gate): [T, H * D] in q's
+    dtype, as those steps compute it one by one; None where one of them would not run."""
+    ok = _routable(q) and q.dtype == k.dtype == v.dtype == gate.dtype == k_cache.dtype == v_cache.dtype
+    ok = ok and q.stride(-1) == k.stride(-1) == 1 and k_cache.stride(-1) == v_cache.stride(-1) == 1
+    ok = ok and k.shape[1:] == k_cache.shape[2:] and v.shape[1:] == v_cache.shape[2:] and q.dim() == k.dim() == 3
+    ok = ok and cos.dtype == sin.dtype == torch.float32 and (q_norm.eps, q_norm.offset) == (k_norm.eps, k_norm.offset)
+    ext = extension() if ok else None
+    if ext is None:
+        return None
+    return ext.attention_decode(q, gate, k, v, _f32(q_norm.weight), _f32(k_norm.weight), q_norm.eps, q_norm.offset,
+                                _dense(cos), _dense(sin), k_cache, v_cache, kv_slots, page_table, seq_lens, scale)
+
+
 def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = False, gate=None,
              act: str = "", dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """models/layers/norm.py's norms in one pass: x / rms(x) in fp32, then times (offset + weight)

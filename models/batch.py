@@ -47,6 +47,11 @@ class Memory:
     page_size: int
 
 
+# whether layers run a decode-only batch's rows through their one-call compiled bodies
+# (kernels/native.py delta_decode, attention_decode); False: kernel by kernel (the tests compare)
+FUSED_DECODE = True
+
+
 @dataclass
 class ForwardBatch:
     segments: list[Segment]
@@ -65,6 +70,7 @@ class ForwardBatch:
     memory: Memory
     extras: dict = field(default_factory=dict)  # per-forward caches models may fill
     cp: Any = None  # ContextParallel (models/layers/context_parallel.py) when ranks share one segment
+    every_token: bool = False  # logits_at is every token in order (a decode-only step): no gather
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +84,12 @@ class ForwardBatch:
     @property
     def num_prefills(self) -> int:
         return len(self.segments) - self.num_decodes
+
+    @property
+    def fused_decode(self) -> bool:
+        """Every row a decode row on this one rank, with FUSED_DECODE: the layers may run their
+        compiled one-call decode bodies (each returns None where its kernels would not run)."""
+        return FUSED_DECODE and self.num_decodes == len(self.segments) and self.cp is None
 
     @classmethod
     def build(
@@ -141,4 +153,5 @@ class ForwardBatch:
             logits_at=t(logits_at),
             num_decodes=num_decodes,
             memory=memory,
+            every_token=bool(logits_at.size == cu[-1] and (logits_at == np.arange(cu[-1])).all()),
         )

@@ -16,7 +16,7 @@ from models.layers.linear import Linear, fused_linear, joined
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
-from models.layers.state import delta_inputs, delta_rule, short_conv
+from models.layers.state import delta_decode, delta_inputs, delta_rule, short_conv
 from models.layers.tensor_parallel import column, ffn, heads, row, shard
 
 
@@ -63,8 +63,14 @@ class KimiDeltaAttention(nn.Module):
                                         self.g_a_proj)
         qkv = joined(q, k, v)  # [T, 3*H*D], a view of the projection's columns
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
-        qkv = short_conv(batch, buf["conv"], qkv, w, None)
         t, hd = x.shape[0], (self.h, self.d, self.h, self.d)
+        if batch.fused_decode:
+            gate = self.g_b_proj(g).view(t, self.h, self.d)
+            o = delta_decode(batch, buf, qkv, w, hd, self.f_b_proj(f)[:, None], self.A_log, self.dt_bias, b[:, None],
+                             self.o_norm, gate, x.dtype)
+            if o is not None:
+                return self.o_proj(o.reshape(t, -1))
+        qkv = short_conv(batch, buf["conv"], qkv, w, None)
         # fp32 q, k, v [T, H, D] (q, k l2-normalised), decay [T, H, D], beta [T, H]
         q, k, v, decay, beta = delta_inputs(qkv, hd, self.f_b_proj(f)[:, None], self.A_log, self.dt_bias, b[:, None])
         o = delta_rule(batch, buf["recurrent"], "kda", q, k, v, decay, beta)  # [T, H, D]
@@ -110,7 +116,7 @@ class MLAttention(nn.Module):
         q, kv = fused_linear(x, self.q_a_proj if lora else self.q_proj, self.kv_a_proj_with_mqa)
         q = self.q_b_proj(self.q_a_layernorm(q)) if lora else q
         q = q.reshape(t, self.h, -1)  # [T, H, nope + rope]
-        c, k_rope = kv.split([self.r, self.rope], -1)
+        c, k_rope = kv.split_with_sizes([self.r, self.rope], -1)
         latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
         store_kv(batch, cache, None, latent[:, None])
@@ -143,7 +149,7 @@ class MLAttention(nn.Module):
         """Attention in the latent space: the queries absorbed into it, the latent as values, the
         value up-projection after. q [T, H, nope + rope] -> [T, H * v]."""
         t = q.shape[0]
-        q_nope, q_rope = q.split([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
+        q_nope, q_rope = q.split_with_sizes([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
         w = self.kv_b_proj.weight
         w_uk, w_uv = w.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
         # the absorbed products per head: bf16 on CPU through the packed micro-kernels (docs/kernels.md:

@@ -88,10 +88,10 @@ class Mamba2Mixer(nn.Module):
         t, dev = x.shape[0], x.device
         h, p, g, s = self.h, self.p, self.g, self.s
         buf = batch.memory.state[self.state_idx]
-        z, xbc, dt = self.in_proj(x).split([h * p, self.conv_dim, h], -1)
+        z, xbc, dt = self.in_proj(x).split_with_sizes([h * p, self.conv_dim, h], -1)
         w, b = self.conv1d.weight[:, 0], self.conv1d.bias  # [conv_dim, W], [conv_dim] | None
         xbc = short_conv(batch, buf["conv"], xbc, w, b, self.act)  # [T, conv_dim]
-        xs, B, C = xbc.split([h * p, g * s, g * s], -1)
+        xs, B, C = xbc.split_with_sizes([h * p, g * s, g * s], -1)
         xs = xs.reshape(t, h, p).float()  # [T, H, P]
         B, C = B.reshape(t, g, s), C.reshape(t, g, s)  # [T, G, S]
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)  # [T, H]

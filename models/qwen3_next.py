@@ -17,7 +17,7 @@ from models.layers.linear import Linear, fused_linear
 from models.layers.mlp import GatedMLP, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
-from models.layers.state import delta_inputs, delta_rule, short_conv
+from models.layers.state import delta_decode, delta_inputs, delta_rule, short_conv
 from models.layers.tensor_parallel import column, ffn, heads, row, shard
 
 
@@ -77,9 +77,13 @@ class GatedDeltaNet(nn.Module):
         h, hv, dk, dv = self.h, self.hv, self.dk, self.dv
         buf = batch.memory.state[self.state_idx]
         qkvz, ba = fused_linear(x, self.in_proj_qkvz, self.in_proj_ba)
-        qkv, z = qkvz.split([2 * h * dk + hv * dv, hv * dv], -1)  # [T, 2*H*K + HV*V], [T, HV*V]
+        qkv, z = qkvz.split_with_sizes([2 * h * dk + hv * dv, hv * dv], -1)  # [T, 2*H*K + HV*V], [T, HV*V]
         b, a = ba.view(t, 2, 1, hv).unbind(1)  # [T, 1, HV] each
         w = self.conv1d.weight[:, 0]  # [2*H*K + HV*V, W]
+        o = delta_decode(batch, buf, qkv, w, (h, dk, hv, dv), a, self.A_log, self.dt_bias, b, self.norm,
+                         z.view(t, hv, dv), x.dtype)
+        if o is not None:
+            return self.out_proj(o.reshape(t, -1))
         qkv = short_conv(batch, buf["conv"], qkv, w, None)  # read in place: rows of the projection
         # fp32 q, k [T, H, K] l2-normalised, v [T, HV, V], g [T, HV, 1], beta [T, HV]
         q, k, v, g, beta = delta_inputs(qkv, (h, dk, hv, dv), a, self.A_log, self.dt_bias, b)
@@ -153,8 +157,13 @@ class GatedAttention(nn.Module):
         q, gate = q.view(t, 2, self.h, self.d).unbind(1)  # [T, H, D] each
         k, v = k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)  # [T, Hkv, D]
         cos, sin = rope_cos_sin(batch, self.rot, self.theta)
-        q, k = self.norm_rope(q, self.q_norm, cos, sin), self.norm_rope(k, self.k_norm, cos, sin)
         caches = batch.memory.kv[self.kv_idx]  # name -> [num_pages, page_size, Hkv, D]
+        if batch.fused_decode:  # the steps below in one compiled call (the same bits)
+            o = native.attention_decode(q, gate, k, v, self.q_norm, self.k_norm, cos, sin, caches["k"], caches["v"],
+                                        batch.kv_slots, batch.page_table, batch.seq_lens, self.d**-0.5)
+            if o is not None:
+                return self.o_proj(o)
+        q, k = self.norm_rope(q, self.q_norm, cos, sin), self.norm_rope(k, self.k_norm, cos, sin)
         store_kv(batch, caches["k"], caches["v"], k, v)
         attn = kernels.get("attention", x.device)
         o = attn(q, caches["k"], caches["v"], batch.page_table, batch.cu_seqlens, batch.seq_lens,

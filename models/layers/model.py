@@ -32,8 +32,11 @@ class Backbone(nn.Module):
         x, residual = getattr(self, self.embed_name)(batch.input_ids), None
         for block in self.layers:
             x, residual = block(x, residual, batch)
+        norm = getattr(self, self.norm_name)
+        if batch.every_token:
+            return norm.add(x, residual)[0]
         at = batch.logits_at
-        return getattr(self, self.norm_name).add(x[at], residual[at] if residual is not None else None)[0]
+        return norm.add(x[at], residual[at] if residual is not None else None)[0]
 
 
 class CausalLM(nn.Module):

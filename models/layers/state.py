@@ -138,8 +138,25 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
     )
 
 
+L2_EPS = 1e-6  # the eps of the q and k l2 norms of KDA / GDN
+
+
+def delta_decode(batch: ForwardBatch, buf: dict[str, torch.Tensor], qkv: torch.Tensor, conv_w: torch.Tensor,
+                 heads: tuple[int, int, int, int], a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 b: torch.Tensor, norm, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A decode-only batch through a KDA / GDN layer's body in one compiled call: what short_conv,
+    delta_inputs, delta_rule and the gated output norm `norm` compute on it, one after the other
+    (the same bits), the conv and recurrent states (`buf`) advanced in their slots. [T, HV, V] in
+    `dtype`, or None where it does not run (prefill rows, context parallelism, no CPU kernel):
+    then the caller takes those steps."""
+    if not batch.fused_decode:
+        return None
+    return native.delta_decode(qkv, conv_w, buf["conv"], buf["recurrent"], batch.state_slots, heads, a, A_log,
+                               dt_bias, b, L2_EPS, gate, norm, dtype)
+
+
 def delta_inputs(qkv: torch.Tensor, heads: tuple[int, int, int, int], a: torch.Tensor, A_log: torch.Tensor,
-                 dt_bias: torch.Tensor, b: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, ...]:
+                 dt_bias: torch.Tensor, b: torch.Tensor, eps: float = L2_EPS) -> tuple[torch.Tensor, ...]:
     """The delta-rule kernels' inputs from a KDA / GDN layer's conv output and gate projections.
 
     qkv [T, 2*H*K + HV*V]: q heads, k heads, v heads (`heads` = (H, K, HV, V)); a [T, G, C]: the

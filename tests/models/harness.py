@@ -36,12 +36,12 @@ class PagedRunner:
     """Runs our model with a page allocator (shuffled pages) and one state slot per sequence."""
 
     def __init__(self, path, page_size: int = 16, num_pages: int = 512, num_slots: int = 32, seed: int = 0, tp=None,
-                 device: str = "cpu"):
-        self.model, self.cfg = load_model(path, device, dtype=torch.float32, tp=tp)
+                 device: str = "cpu", dtype: torch.dtype = torch.float32):
+        self.model, self.cfg = load_model(path, device, dtype=dtype, tp=tp)
         self.device = device
         cfg: ModelConfig = self.cfg
         self.memory = Memory(
-            kv=[{n: torch.zeros(num_pages, page_size, *s, device=device) for n, s in layer.items()}
+            kv=[{n: torch.zeros(num_pages, page_size, *s, device=device, dtype=dtype) for n, s in layer.items()}
                 for layer in cfg.kv_shapes],
             state=[{n: torch.full((num_slots, *s), float("nan"), dtype=dt, device=device)
                     for n, (s, dt) in layer.items()} for layer in cfg.state_shapes],
@@ -166,6 +166,56 @@ def check_resume(ref, path, vocab):
     run.restore(other, ck, ids[:128])
     (ours,) = run.step([(other, ids[128:])], all_logits=True)
     _close(ours, hf_logits(ref, ids)[128:], "resume from checkpoint")
+
+
+def check_fused_decode(ref, path, vocab, fused: tuple[str, ...]):
+    """A decode-only batch through the layers' one-call compiled bodies (models/batch.py
+    FUSED_DECODE; `fused`: the kernels/native.py calls the model makes then) gives the bits of the
+    same kernels called one by one: logits, KV pages and states after each of several steps, in
+    fp32 and bf16."""
+    import models.batch
+    from kernels import native
+
+    calls = dict.fromkeys(fused, 0)
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls[name] += out is not None
+            return out
+        return call
+
+    saved = {name: getattr(native, name) for name in fused}
+    for name, fn in saved.items():
+        setattr(native, name, counted(name, fn))
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            runs = {on: PagedRunner(path, dtype=dtype) for on in (True, False)}
+            prompts = [prompt(vocab, n, 9 + i) for i, n in enumerate((37, 16, 70))]
+            seqs = {on: [run.new_seq() for _ in prompts] for on, run in runs.items()}
+            for on, run in runs.items():
+                run.step(list(zip(seqs[on], prompts)))
+            g = torch.Generator().manual_seed(10)
+            for _ in range(4):
+                new = [[int(t)] for t in torch.randint(0, vocab, (len(prompts),), generator=g)]
+                out = {}
+                for on, run in runs.items():
+                    models.batch.FUSED_DECODE = on
+                    try:
+                        out[on] = run.step(list(zip(seqs[on], new)))
+                    finally:
+                        models.batch.FUSED_DECODE = True
+                for a, b in zip(out[True], out[False]):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{dtype}: logits differ")
+                pools = [[t for layer in run.memory.kv + run.memory.state for t in layer.values()]
+                         for run in runs.values()]
+                for a, b in zip(*pools):  # unused state slots hold NaN in both
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True,
+                                               msg=f"{dtype}: KV pages or states differ")
+    finally:
+        for name, fn in saved.items():
+            setattr(native, name, fn)
+    assert all(calls.values()), f"the fused decode calls did not run: {calls}"
 
 
 CHECKS = [check_one_shot, check_chunked, check_decode, check_mixed, check_greedy, check_resume]

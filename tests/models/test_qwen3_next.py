@@ -38,6 +38,12 @@ def test_qwen3_next_matches_transformers(model, check):
     check(*model)
 
 
+def test_qwen3_next_fused_decode_gives_the_bits_of_its_kernels_one_by_one(model):
+    """Decode-only batches through the one-call layer bodies equal the kernel-by-kernel path bit
+    for bit (logits, KV pages, states), fp32 and bf16."""
+    harness.check_fused_decode(*model, fused=("delta_decode", "attention_decode"))
+
+
 def test_qwen3_next_tied_embeddings(tmp_path):
     """With tie_word_embeddings the loaded lm_head is the embedding, so logits match transformers."""
     ref = harness.save_tiny(hf_mod.Qwen3NextForCausalLM, tiny("1:1-mqa", tie_word_embeddings=True), tmp_path)
