@@ -170,6 +170,28 @@ static at::Tensor attention_decode(const at::Tensor& q, const at::Tensor& gate, 
   return o.reshape({T, -1}) * at::sigmoid(gate.reshape({T, -1}));
 }
 
+// Kimi Linear's MLA layer on its decode rows, absorbed (models/kimi_linear.py MLAttention): the
+// latent [norm(c) | k_rope] written into its cache slot, the queries' nope part into the latent
+// space through w_uk (packed by pack_heads_bf16), attention over the latent pages (values: their
+// first r channels), then each head's value up-projection through w_uv: [T, H * v] in q's dtype.
+static at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& c, const at::Tensor& k_rope,
+                             const at::Tensor& norm_w, double norm_eps, at::Tensor& cache, const at::Tensor& kv_slots,
+                             const at::Tensor& page_table, const at::Tensor& seq_lens, double scale,
+                             const at::Tensor& w_uk, int64_t r, const at::Tensor& w_uv, int64_t vd) {
+  const int64_t T = q.size(0), H = q.size(1), rope = k_rope.size(1), nope = q.size(2) - rope;
+  const auto c_n = rms_norm(c, norm_w, norm_eps, 0.0, true, at::empty({0}, norm_w.options()), "", c.scalar_type());
+  const auto latent = at::cat({c_n, k_rope}, -1);  // [T, r + rope]
+  cache.view({-1, cache.size(2), cache.size(3)}).index_copy_(0, kv_slots, latent.unsqueeze(1).to(cache.scalar_type()));
+  auto q_att = at::empty({T, H, r + rope}, q.options());  // latent query | rope query
+  auto q_lat = q_att.narrow(2, 0, r);
+  heads_bf16(q.narrow(2, 0, nope), w_uk, r, q_lat);
+  q_att.narrow(2, r, rope).copy_(q.narrow(2, nope, rope));
+  const auto o = paged_decode(q_att, cache, cache, page_table, seq_lens, scale, r).to(q.scalar_type());  // [T, H, r]
+  auto out = at::empty({T, H, vd}, o.options());
+  heads_bf16(o, w_uv, vd, out);
+  return out.reshape({T, -1});
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the kernels touch no Python object: other threads (the server's event loop) run meanwhile
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -208,5 +230,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_fast", &matmul_fast, "the kernels' matmuls through small_mm and torch's BLAS (true) or plain loops");
   m.def("delta_decode", &delta_decode, nogil, "a KDA / GDN layer's decode rows: conv, inputs, step, gated norm");
   m.def("attention_decode", &attention_decode, nogil, "a gated GQA layer's decode rows: norms, RoPE, KV write, attention, gate");
+  m.def("mla_decode", &mla_decode, nogil, "an absorbed MLA layer's decode rows: latent write, absorbed attention");
   m.def("matmul", &matmul, "C = alpha op(A) op(B) + beta C in place through the kernels' mm (for the tests)");
 }

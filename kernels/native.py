@@ -245,6 +245,28 @@ def attention_decode(q, gate, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, 
                                 _dense(cos), _dense(sin), k_cache, v_cache, kv_slots, page_table, seq_lens, scale)
 
 
+def mla_decode(q, c, k_rope, norm, cache, kv_slots, page_table, seq_lens, scale: float, w, r: int,
+               vd: int) -> torch.Tensor | None:
+    """An absorbed MLA layer's decode rows in one call (native.cpp): the latent [norm(c) | k_rope]
+    written into its cache slots, the queries q [T, H, nope + rope] absorbed through w's key half
+    (w = kv_b_proj.weight [H * (nope + vd), r]), attention over the latent pages, then w's value
+    half: [T, H * vd] in q's dtype, as models/kimi_linear.py's absorbed path computes it step by
+    step with the bf16 micro-kernels; None where one of its steps would not run that way."""
+    h, rope = q.shape[1], k_rope.shape[-1]
+    nope = q.shape[-1] - rope
+    ok = q.device.type == "cpu" and q.dtype == c.dtype == k_rope.dtype == cache.dtype == w.dtype == torch.bfloat16
+    ok = ok and norm.weight.dtype == c.dtype and not norm.offset and q.stride(-1) == 1 and c.stride(-1) == 1
+    ok = ok and nope % 2 == 0 and r % 2 == 0 and cache.stride(-1) == 1 and cache.shape[2:] == (1, r + rope)
+    ext = _bf16_gemm() if ok else None
+    if ext is None:
+        return None
+    w_uk, w_uv = w.view(h, nope + vd, r).split([nope, vd], 1)
+    uk = _packed(w, lambda: ext.pack_heads_bf16(w_uk.transpose(1, 2).contiguous()), HEAD_PACKS.setdefault("w_uk", {}))
+    uv = _packed(w, lambda: ext.pack_heads_bf16(w_uv.contiguous()), HEAD_PACKS.setdefault("w_uv", {}))
+    return ext.mla_decode(q, c, k_rope, _f32(norm.weight), norm.eps, cache, kv_slots, page_table, seq_lens, scale,
+                          uk, r, uv, vd)
+
+
 def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = False, gate=None,
              act: str = "", dtype: torch.dtype | None = None) -> torch.Tensor | None:
     """models/layers/norm.py's norms in one pass: x / rms(x) in fp32, then times (offset + weight)

@@ -117,8 +117,13 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(q)) if lora else q
         q = q.reshape(t, self.h, -1)  # [T, H, nope + rope]
         c, k_rope = kv.split_with_sizes([self.r, self.rope], -1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
+        if batch.fused_decode:  # the steps below in one compiled call (the same bits)
+            o = native.mla_decode(q, c, k_rope, self.kv_a_layernorm, cache, batch.kv_slots, batch.page_table,
+                                  batch.seq_lens, self.scale, self.kv_b_proj.weight, self.r, self.vd)
+            if o is not None:
+                return self.o_proj(o)
+        latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
         store_kv(batch, cache, None, latent[:, None])
         long = self.expanded_segments(batch)
         if long is None:

@@ -41,7 +41,7 @@ def test_kimi_linear_matches_transformers(model, check):
 def test_kimi_linear_fused_decode_gives_the_bits_of_its_kernels_one_by_one(model):
     """Decode-only batches through the one-call layer bodies equal the kernel-by-kernel path bit
     for bit (logits, KV pages, states), fp32 and bf16."""
-    harness.check_fused_decode(*model, fused=("delta_decode",))
+    harness.check_fused_decode(*model, fused=("delta_decode", "mla_decode"))
 
 
 def test_mla_prefill_attends_in_expanded_form_where_it_saves_work(model, monkeypatch):
