@@ -328,8 +328,10 @@ class Both:
 def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests: int, prefix: int, suffix: int,
                  tokens: int) -> list[dict]:
     """The peer workload once through the engine (dtype and prefix caching as in the model's first
-    peer row), the calls of `kernels` made on both modules; per kernel: calls, summed seconds per
-    module, their ratio and the largest output difference."""
+    peer row; the layers' one-call decode bodies off, so that decode calls its kernels one by one),
+    the calls of `kernels` made on both modules; per kernel: calls, summed seconds per module, their
+    ratio and the largest output difference."""
+    import models.batch
     from benchmarks import peers
     from hybridserve import LLM, SamplingParams
 
@@ -338,6 +340,7 @@ def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests
     path = peers.checkpoint(model, cache)[0]
     both = Both(old, new, kernels)
     real, native.extension = native.extension, lambda: both  # type: ignore[assignment]
+    models.batch.FUSED_DECODE = False
     try:
         llm = LLM(str(path), dtype=row.dtype, enable_prefix_cache=row.prefix_cache, max_running=requests,
                   memory_gb=peers.MEMORY_GB)
@@ -347,6 +350,7 @@ def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests
         llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
     finally:
         native.extension = real  # type: ignore[assignment]
+        models.batch.FUSED_DECODE = True
     return [dict(r, ratio=r["new_s"] / r["old_s"] if r["old_s"] else float("nan")) for r in both.rows.values()]
 
 

@@ -153,21 +153,42 @@ static at::Tensor delta_decode(const at::Tensor& qkv, const at::Tensor& conv_w, 
   return rms_norm(o, norm_w, norm_eps, 0.0, false, gate.contiguous(), act, out_dtype);
 }
 
-// A gated GQA layer's decode rows (models/qwen3_next.py GatedAttention): the q and k norms with
-// RoPE, the new k and v written into their cache slots, attention over the pages, then the
-// output times sigmoid(gate), in q's dtype: [T, H * D].
+// A GQA layer's decode rows: with q and k norm weights (models/qwen3_next.py GatedAttention) the
+// q and k norms with RoPE, then the new k and v written into their cache slots, attention over the
+// pages, and with a gate (not empty) the output times sigmoid(gate): [T, H * D] in q's dtype.
 static at::Tensor attention_decode(const at::Tensor& q, const at::Tensor& gate, const at::Tensor& k,
                                    const at::Tensor& v, const at::Tensor& q_norm_w, const at::Tensor& k_norm_w,
                                    double eps, double offset, const at::Tensor& cos, const at::Tensor& sin,
                                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& kv_slots,
                                    const at::Tensor& page_table, const at::Tensor& seq_lens, double scale) {
-  const auto qn = rms_norm_rope(q, q_norm_w, eps, offset, cos, sin);
-  const auto kn = rms_norm_rope(k, k_norm_w, eps, offset, cos, sin);
+  const bool norms = q_norm_w.numel() > 0;
+  const auto qn = norms ? rms_norm_rope(q, q_norm_w, eps, offset, cos, sin) : q;
+  const auto kn = norms ? rms_norm_rope(k, k_norm_w, eps, offset, cos, sin) : k;
   for (auto [cache, rows] : {std::pair{k_cache, kn}, std::pair{v_cache, v}})
     cache.view({-1, cache.size(2), cache.size(3)}).index_copy_(0, kv_slots, rows.to(cache.scalar_type()));
   const auto o = paged_decode(qn, k_cache, v_cache, page_table, seq_lens, scale, v_cache.size(3)).to(q.scalar_type());
   const int64_t T = q.size(0);
-  return o.reshape({T, -1}) * at::sigmoid(gate.reshape({T, -1}));
+  return gate.numel() ? o.reshape({T, -1}) * at::sigmoid(gate.reshape({T, -1})) : o.reshape({T, -1});
+}
+
+// A Mamba2 layer's decode rows (models/nemotron_h.py Mamba2Mixer): the short conv over the xBC rows
+// (conv states in their slots), dt = max(softplus(dt + dt_bias), dt_min), A = -exp(A_log), the SSD
+// step (states in their slots), then the silu(z)-gated grouped norm: [T, H * P] in z's dtype.
+static at::Tensor mamba_decode(const at::Tensor& xbc, const at::Tensor& conv_w, const at::Tensor& conv_b,
+                               at::Tensor& conv_state, bool silu, const at::Tensor& dt, const at::Tensor& dt_bias,
+                               double dt_min, const at::Tensor& A_log, const at::Tensor& D, at::Tensor& state,
+                               const at::Tensor& slots, int64_t H, int64_t P, int64_t G, int64_t S, const at::Tensor& z,
+                               const at::Tensor& norm_w, int64_t groups, double norm_eps) {
+  const int64_t T = xbc.size(0);
+  const auto y = conv_step(xbc, conv_w, conv_b, conv_state, slots, silu);
+  const auto parts = y.split_with_sizes({H * P, G * S, G * S}, -1);
+  const auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  const auto xs = f32(parts[0].reshape({T, H, P})), B = f32(parts[1].reshape({T, G, S}));
+  const auto C = f32(parts[2].reshape({T, G, S}));
+  const auto step = at::clamp(at::softplus(dt.to(at::kFloat) + dt_bias, 1, 20), dt_min, std::nullopt);
+  const auto A = -A_log.exp();
+  const auto o = ssd_step(xs, step, A, B, C, D, state, slots);  // [T, H, P] fp32
+  return gated_group_norm(o.reshape({T, -1}), z, norm_w, groups, norm_eps);
 }
 
 // Kimi Linear's MLA layer on its decode rows, absorbed (models/kimi_linear.py MLAttention): the
@@ -229,7 +250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_bf16", &moe_bf16, nogil, "gated experts of each token, weighted and summed (kernels/gemm/cpu_gemm.cpp)");
   m.def("matmul_fast", &matmul_fast, "the kernels' matmuls through small_mm and torch's BLAS (true) or plain loops");
   m.def("delta_decode", &delta_decode, nogil, "a KDA / GDN layer's decode rows: conv, inputs, step, gated norm");
-  m.def("attention_decode", &attention_decode, nogil, "a gated GQA layer's decode rows: norms, RoPE, KV write, attention, gate");
+  m.def("attention_decode", &attention_decode, nogil, "a GQA layer's decode rows: norms and RoPE, KV write, attention, gate");
+  m.def("mamba_decode", &mamba_decode, nogil, "a Mamba2 layer's decode rows: conv, dt, SSD step, gated grouped norm");
   m.def("mla_decode", &mla_decode, nogil, "an absorbed MLA layer's decode rows: latent write, absorbed attention");
   m.def("matmul", &matmul, "C = alpha op(A) op(B) + beta C in place through the kernels' mm (for the tests)");
 }

@@ -229,20 +229,48 @@ def delta_decode(qkv, conv_w, conv_state, state, slots, heads: tuple[int, int, i
                             norm.activation, dtype)
 
 
-def attention_decode(q, gate, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, kv_slots, page_table, seq_lens,
-                     scale: float) -> torch.Tensor | None:
-    """A gated GQA layer's decode rows in one call (native.cpp): rms_norm_rope of q and k, k and v
-    written into their cache slots, paged_decode, then times sigmoid(gate): [T, H * D] in q's
-    dtype, as those steps compute it one by one; None where one of them would not run."""
-    ok = _routable(q) and q.dtype == k.dtype == v.dtype == gate.dtype == k_cache.dtype == v_cache.dtype
-    ok = ok and q.stride(-1) == k.stride(-1) == 1 and k_cache.stride(-1) == v_cache.stride(-1) == 1
-    ok = ok and k.shape[1:] == k_cache.shape[2:] and v.shape[1:] == v_cache.shape[2:] and q.dim() == k.dim() == 3
-    ok = ok and cos.dtype == sin.dtype == torch.float32 and (q_norm.eps, q_norm.offset) == (k_norm.eps, k_norm.offset)
+def attention_decode(q, k, v, k_cache, v_cache, kv_slots, page_table, seq_lens, scale: float, gate=None,
+                     norms=None, cos=None, sin=None) -> torch.Tensor | None:
+    """A GQA layer's decode rows in one call (native.cpp): with `norms` (the q and k RMSNorms) and
+    cos, sin, rms_norm_rope of q and k; k and v written into their cache slots; paged_decode; with a
+    gate, times sigmoid(gate): [T, H * D] in q's dtype, as those steps compute it one by one; None
+    where one of them would not run."""
+    ok = _routable(q) and q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and q.dim() == k.dim() == 3
+    ok = ok and k_cache.stride(-1) == v_cache.stride(-1) == 1 and (gate is None or gate.dtype == q.dtype)
+    ok = ok and k.shape[1:] == k_cache.shape[2:] and v.shape[1:] == v_cache.shape[2:]
+    if norms is not None:
+        q_norm, k_norm = norms
+        ok = ok and q.stride(-1) == k.stride(-1) == 1 and cos.dtype == sin.dtype == torch.float32
+        ok = ok and (q_norm.eps, q_norm.offset) == (k_norm.eps, k_norm.offset)
     ext = extension() if ok else None
     if ext is None:
         return None
-    return ext.attention_decode(q, gate, k, v, _f32(q_norm.weight), _f32(k_norm.weight), q_norm.eps, q_norm.offset,
-                                _dense(cos), _dense(sin), k_cache, v_cache, kv_slots, page_table, seq_lens, scale)
+    if norms is None:
+        return ext.attention_decode(q, EMPTY, k, v, EMPTY, EMPTY, 0.0, 0.0, EMPTY, EMPTY, k_cache, v_cache, kv_slots,
+                                    page_table, seq_lens, scale) if gate is None else \
+            ext.attention_decode(q, gate, k, v, EMPTY, EMPTY, 0.0, 0.0, EMPTY, EMPTY, k_cache, v_cache, kv_slots,
+                                 page_table, seq_lens, scale)
+    return ext.attention_decode(q, EMPTY if gate is None else gate, k, v, _f32(q_norm.weight), _f32(k_norm.weight),
+                                q_norm.eps, q_norm.offset, _dense(cos), _dense(sin), k_cache, v_cache, kv_slots,
+                                page_table, seq_lens, scale)
+
+
+def mamba_decode(xbc, conv_w, conv_b, conv_state, silu: bool, dt, dt_bias, dt_min: float, A_log, D, state, slots,
+                 sizes: tuple[int, int, int, int], z, norm) -> torch.Tensor | None:
+    """A Mamba2 layer's decode rows in one call (native.cpp): conv_step over the xBC rows, dt and A
+    as models/nemotron_h.py forms them, ssd_step, then the silu(z)-gated grouped norm `norm`:
+    [T, H * P] in z's dtype, the states advanced in their slots, as those steps compute it one by
+    one; None where one of them would not run. sizes: (H, P, G, S)."""
+    h, p, g, s = sizes
+    ok = _routable(xbc) and xbc.dim() == 2 and conv_state.is_contiguous() and _routable(z)
+    ok = ok and conv_state.dtype in (torch.float32, torch.bfloat16) and state.dtype == torch.float32
+    ok = ok and z.shape == (xbc.shape[0], h * p) and (h * p) % norm.groups == 0
+    ext = extension() if ok else None
+    if ext is None:
+        return None
+    return ext.mamba_decode(_rows(xbc), _f32(conv_w), EMPTY if conv_b is None else _f32(conv_b), conv_state, silu, dt,
+                            _f32(dt_bias), dt_min, _f32(A_log), EMPTY if D is None else _f32(D), state, slots, h, p, g,
+                            s, _rows(z), _f32(norm.weight), norm.groups, norm.eps)
 
 
 def mla_decode(q, c, k_rope, norm, cache, kv_slots, page_table, seq_lens, scale: float, w, r: int,

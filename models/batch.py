@@ -48,7 +48,8 @@ class Memory:
 
 
 # whether layers run a decode-only batch's rows through their one-call compiled bodies
-# (kernels/native.py delta_decode, attention_decode); False: kernel by kernel (the tests compare)
+# (kernels/native.py delta_decode, mamba_decode, attention_decode, mla_decode); False: kernel by
+# kernel (the tests compare the two)
 FUSED_DECODE = True
 
 

@@ -90,6 +90,11 @@ class Mamba2Mixer(nn.Module):
         buf = batch.memory.state[self.state_idx]
         z, xbc, dt = self.in_proj(x).split_with_sizes([h * p, self.conv_dim, h], -1)
         w, b = self.conv1d.weight[:, 0], self.conv1d.bias  # [conv_dim, W], [conv_dim] | None
+        if batch.fused_decode:  # the steps below in one compiled call (the same bits)
+            y = native.mamba_decode(xbc, w, b, buf["conv"], self.act == "silu", dt, self.dt_bias, self.dt_min,
+                                    self.A_log, self.D, buf["recurrent"], batch.state_slots, (h, p, g, s), z, self.norm)
+            if y is not None:
+                return self.out_proj(y)
         xbc = short_conv(batch, buf["conv"], xbc, w, b, self.act)  # [T, conv_dim]
         xs, B, C = xbc.split_with_sizes([h * p, g * s, g * s], -1)
         xs = xs.reshape(t, h, p).float()  # [T, H, P]
@@ -143,6 +148,11 @@ class Attention(nn.Module):
         q = q.view(t, self.h, self.d)  # [T, H, D]
         k, v = k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)  # [T, Hkv, D]
         cache = batch.memory.kv[self.kv_idx]
+        if batch.fused_decode:  # the steps below in one compiled call (the same bits)
+            o = native.attention_decode(q, k, v, cache["k"], cache["v"], batch.kv_slots, batch.page_table,
+                                        batch.seq_lens, self.d**-0.5)
+            if o is not None:
+                return self.o_proj(o)
         context_parallel.store_kv(batch, cache["k"], cache["v"], k, v)
         attn = kernels.get("attention", x.device)
         o = attn(q, cache["k"], cache["v"], batch.page_table, batch.cu_seqlens, batch.seq_lens,

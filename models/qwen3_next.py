@@ -159,8 +159,8 @@ class GatedAttention(nn.Module):
         cos, sin = rope_cos_sin(batch, self.rot, self.theta)
         caches = batch.memory.kv[self.kv_idx]  # name -> [num_pages, page_size, Hkv, D]
         if batch.fused_decode:  # the steps below in one compiled call (the same bits)
-            o = native.attention_decode(q, gate, k, v, self.q_norm, self.k_norm, cos, sin, caches["k"], caches["v"],
-                                        batch.kv_slots, batch.page_table, batch.seq_lens, self.d**-0.5)
+            o = native.attention_decode(q, k, v, caches["k"], caches["v"], batch.kv_slots, batch.page_table,
+                                        batch.seq_lens, self.d**-0.5, gate, (self.q_norm, self.k_norm), cos, sin)
             if o is not None:
                 return self.o_proj(o)
         q, k = self.norm_rope(q, self.q_norm, cos, sin), self.norm_rope(k, self.k_norm, cos, sin)

@@ -37,3 +37,9 @@ def model(request, tmp_path_factory):
 def test_nemotron_h_matches_transformers(model, check):
     """Our NemotronH forward over paged KV/state slots equals transformers' (fp32, rel err < 1e-4)."""
     check(*model)
+
+
+def test_nemotron_h_fused_decode_gives_the_bits_of_its_kernels_one_by_one(model):
+    """Decode-only batches through the one-call Mamba2 and attention bodies equal the
+    kernel-by-kernel path bit for bit (logits, KV pages, states), fp32 and bf16."""
+    harness.check_fused_decode(*model, fused=("mamba_decode", "attention_decode"))
