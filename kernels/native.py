@@ -245,14 +245,12 @@ def attention_decode(q, k, v, k_cache, v_cache, kv_slots, page_table, seq_lens, 
     ext = extension() if ok else None
     if ext is None:
         return None
-    if norms is None:
-        return ext.attention_decode(q, EMPTY, k, v, EMPTY, EMPTY, 0.0, 0.0, EMPTY, EMPTY, k_cache, v_cache, kv_slots,
-                                    page_table, seq_lens, scale) if gate is None else \
-            ext.attention_decode(q, gate, k, v, EMPTY, EMPTY, 0.0, 0.0, EMPTY, EMPTY, k_cache, v_cache, kv_slots,
-                                 page_table, seq_lens, scale)
-    return ext.attention_decode(q, EMPTY if gate is None else gate, k, v, _f32(q_norm.weight), _f32(k_norm.weight),
-                                q_norm.eps, q_norm.offset, _dense(cos), _dense(sin), k_cache, v_cache, kv_slots,
-                                page_table, seq_lens, scale)
+    g = EMPTY if gate is None else gate
+    if norms is None:  # empty norm weights: no norm, no RoPE
+        return ext.attention_decode(q, g, k, v, EMPTY, EMPTY, 0.0, 0.0, EMPTY, EMPTY, k_cache, v_cache, kv_slots,
+                                    page_table, seq_lens, scale)
+    return ext.attention_decode(q, g, k, v, _f32(q_norm.weight), _f32(k_norm.weight), q_norm.eps, q_norm.offset,
+                                _dense(cos), _dense(sin), k_cache, v_cache, kv_slots, page_table, seq_lens, scale)
 
 
 def mamba_decode(xbc, conv_w, conv_b, conv_state, silu: bool, dt, dt_bias, dt_min: float, A_log, D, state, slots,

@@ -64,18 +64,16 @@ class KimiDeltaAttention(nn.Module):
         qkv = joined(q, k, v)  # [T, 3*H*D], a view of the projection's columns
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
         t, hd = x.shape[0], (self.h, self.d, self.h, self.d)
-        if batch.fused_decode:
-            gate = self.g_b_proj(g).view(t, self.h, self.d)
-            o = delta_decode(batch, buf, qkv, w, hd, self.f_b_proj(f)[:, None], self.A_log, self.dt_bias, b[:, None],
-                             self.o_norm, gate, x.dtype)
-            if o is not None:
-                return self.o_proj(o.reshape(t, -1))
-        qkv = short_conv(batch, buf["conv"], qkv, w, None)
-        # fp32 q, k, v [T, H, D] (q, k l2-normalised), decay [T, H, D], beta [T, H]
-        q, k, v, decay, beta = delta_inputs(qkv, hd, self.f_b_proj(f)[:, None], self.A_log, self.dt_bias, b[:, None])
-        o = delta_rule(batch, buf["recurrent"], "kda", q, k, v, decay, beta)  # [T, H, D]
-        gate = self.g_b_proj(g).view(t, self.h, self.d)
-        return self.o_proj(self.o_norm(o, gate, x.dtype).reshape(t, -1))
+        decay_in, gate = self.f_b_proj(f)[:, None], self.g_b_proj(g).view(t, self.h, self.d)
+        o = delta_decode(batch, buf, qkv, w, hd, decay_in, self.A_log, self.dt_bias, b[:, None], self.o_norm, gate,
+                         x.dtype)  # decode rows only: the steps below in one call; else None
+        if o is None:
+            qkv = short_conv(batch, buf["conv"], qkv, w, None)
+            # fp32 q, k, v [T, H, D] (q, k l2-normalised), decay [T, H, D], beta [T, H]
+            q, k, v, decay, beta = delta_inputs(qkv, hd, decay_in, self.A_log, self.dt_bias, b[:, None])
+            o = delta_rule(batch, buf["recurrent"], "kda", q, k, v, decay, beta)  # [T, H, D]
+            o = self.o_norm(o, gate, x.dtype)
+        return self.o_proj(o.reshape(t, -1))
 
 
 class MLAttention(nn.Module):
