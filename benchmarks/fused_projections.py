@@ -9,8 +9,8 @@ padded MoE path for any batch of at most PAD_FREE_ROWS rows per expert) or with 
 matmuls and the old padding rule (balanced routing only), switching at each step, so the two
 see the same contexts and the same drift of a shared machine. With `--compare bodies` the two
 ways are the layers' one-call decode bodies (models/batch.py FUSED_DECODE: kernels/native.py
-delta_decode and attention_decode, which give the same bits) against their kernels called one
-by one from Python. Prints the median and 20th
+delta_decode, attention_decode, mla_decode and mamba_decode, which give the same bits) against
+their kernels called one by one from Python. Prints the median and 20th
 percentile step of each and the ratio of the medians. With --same-prompt every sequence is
 the same, so every token picks the same experts: the most skewed routing, where the padding
 rule matters most. Also times one bf16 matmul of

@@ -340,7 +340,7 @@ def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests
     path = peers.checkpoint(model, cache)[0]
     both = Both(old, new, kernels)
     real, native.extension = native.extension, lambda: both  # type: ignore[assignment]
-    models.batch.FUSED_DECODE = False
+    fused, models.batch.FUSED_DECODE = models.batch.FUSED_DECODE, False
     try:
         llm = LLM(str(path), dtype=row.dtype, enable_prefix_cache=row.prefix_cache, max_running=requests,
                   memory_gb=peers.MEMORY_GB)
@@ -350,7 +350,7 @@ def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests
         llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
     finally:
         native.extension = real  # type: ignore[assignment]
-        models.batch.FUSED_DECODE = True
+        models.batch.FUSED_DECODE = fused
     return [dict(r, ratio=r["new_s"] / r["old_s"] if r["old_s"] else float("nan")) for r in both.rows.values()]
 
 

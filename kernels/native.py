@@ -271,26 +271,23 @@ def mamba_decode(xbc, conv_w, conv_b, conv_state, silu: bool, dt, dt_bias, dt_mi
                             s, _rows(z), _f32(norm.weight), norm.groups, norm.eps)
 
 
-def mla_decode(q, c, k_rope, norm, cache, kv_slots, page_table, seq_lens, scale: float, w, r: int,
-               vd: int) -> torch.Tensor | None:
+def mla_decode(q, c, k_rope, norm, cache, kv_slots, page_table, seq_lens, scale: float, w_uk, w_uv,
+               key) -> torch.Tensor | None:
     """An absorbed MLA layer's decode rows in one call (native.cpp): the latent [norm(c) | k_rope]
-    written into its cache slots, the queries q [T, H, nope + rope] absorbed through w's key half
-    (w = kv_b_proj.weight [H * (nope + vd), r]), attention over the latent pages, then w's value
-    half: [T, H * vd] in q's dtype, as models/kimi_linear.py's absorbed path computes it step by
-    step with the bf16 micro-kernels; None where one of its steps would not run that way."""
-    h, rope = q.shape[1], k_rope.shape[-1]
-    nope = q.shape[-1] - rope
-    ok = q.device.type == "cpu" and q.dtype == c.dtype == k_rope.dtype == cache.dtype == w.dtype == torch.bfloat16
+    written into its cache slots, the queries q [T, H, nope + rope] absorbed through w_uk [H, r, nope],
+    attention over the latent pages, then w_uv [H, vd, r]: [T, H * vd] in q's dtype, as
+    models/kimi_linear.py's absorbed path computes it step by step with heads_bf16 (the weights
+    packed as it packs them, views of `key`); None where one of its steps would not run that way."""
+    rope, (h, r, nope), vd = k_rope.shape[-1], w_uk.shape, w_uv.shape[1]
+    ok = q.device.type == "cpu" and q.dtype == c.dtype == k_rope.dtype == cache.dtype == key.dtype == torch.bfloat16
     ok = ok and norm.weight.dtype == c.dtype and not norm.offset and q.stride(-1) == 1 and c.stride(-1) == 1
     ok = ok and nope % 2 == 0 and r % 2 == 0 and cache.stride(-1) == 1 and cache.shape[2:] == (1, r + rope)
+    ok = ok and q.shape[1:] == (h, nope + rope)
     ext = _bf16_gemm() if ok else None
     if ext is None:
         return None
-    w_uk, w_uv = w.view(h, nope + vd, r).split([nope, vd], 1)
-    uk = _packed(w, lambda: ext.pack_heads_bf16(w_uk.transpose(1, 2).contiguous()), HEAD_PACKS.setdefault("w_uk", {}))
-    uv = _packed(w, lambda: ext.pack_heads_bf16(w_uv.contiguous()), HEAD_PACKS.setdefault("w_uv", {}))
     return ext.mla_decode(q, c, k_rope, _f32(norm.weight), norm.eps, cache, kv_slots, page_table, seq_lens, scale,
-                          uk, r, uv, vd)
+                          _heads_packed(ext, w_uk, key, "w_uk"), r, _heads_packed(ext, w_uv, key, "w_uv"), vd)
 
 
 def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = False, gate=None,
@@ -516,10 +513,14 @@ def heads_bf16(x, weight, out, key=None, tag: str = "") -> bool:
     ext = _bf16_gemm() if ok else None
     if ext is None:
         return False
-    packed = _packed(weight if key is None else key, lambda: ext.pack_heads_bf16(weight.contiguous()),
-                     HEAD_PACKS.setdefault(tag, {}))
-    ext.heads_bf16(x, packed, weight.shape[1], out)
+    ext.heads_bf16(x, _heads_packed(ext, weight, key, tag), weight.shape[1], out)
     return True
+
+
+def _heads_packed(ext, weight, key, tag: str) -> torch.Tensor:
+    """weight [H, N, K] packed for heads_bf16, once per version of `key` (None: weight) and `tag`."""
+    return _packed(weight if key is None else key, lambda: ext.pack_heads_bf16(weight.contiguous()),
+                   HEAD_PACKS.setdefault(tag, {}))
 
 
 def moe_bf16(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:

@@ -117,8 +117,9 @@ class MLAttention(nn.Module):
         c, k_rope = kv.split_with_sizes([self.r, self.rope], -1)
         cache = batch.memory.kv[self.kv_idx]["kv"]  # [num_pages, page_size, 1, r + rope]
         if batch.fused_decode:  # the steps below in one compiled call (the same bits)
+            w, w_uk, w_uv = self.absorbing()
             o = native.mla_decode(q, c, k_rope, self.kv_a_layernorm, cache, batch.kv_slots, batch.page_table,
-                                  batch.seq_lens, self.scale, self.kv_b_proj.weight, self.r, self.vd)
+                                  batch.seq_lens, self.scale, w_uk.transpose(1, 2), w_uv, w)
             if o is not None:
                 return self.o_proj(o)
         latent = torch.cat([self.kv_a_layernorm(c), k_rope], -1)  # [T, r + rope]
@@ -148,13 +149,19 @@ class MLAttention(nn.Module):
         long[batch.num_prefills:] = False
         return long if bool(long.any()) else None
 
+    def absorbing(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kv_b_proj's weight and its per-head key and value halves, w_uk [H, nope, r] and w_uv
+        [H, v, r] (views)."""
+        w = self.kv_b_proj.weight
+        w_uk, w_uv = w.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
+        return w, w_uk, w_uv
+
     def absorbed(self, q, cache, page_table, cu_seqlens, seq_lens) -> torch.Tensor:
         """Attention in the latent space: the queries absorbed into it, the latent as values, the
         value up-projection after. q [T, H, nope + rope] -> [T, H * v]."""
         t = q.shape[0]
         q_nope, q_rope = q.split_with_sizes([self.nope, self.rope], -1)  # [T, H, nope], [T, H, rope]
-        w = self.kv_b_proj.weight
-        w_uk, w_uv = w.view(self.h, self.nope + self.vd, self.r).split([self.nope, self.vd], 1)
+        w, w_uk, w_uv = self.absorbing()
         # the absorbed products per head: bf16 on CPU through the packed micro-kernels (docs/kernels.md:
         # torch's bf16 einsum took 0.8-0.9 ms a call inside a decode step, 4 a step), else einsum
         q_att = q.new_empty(t, self.h, self.r + self.rope)  # [T, H, r + rope]: latent query | rope query
