@@ -51,21 +51,29 @@ std::tuple<at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::T
 
 namespace {
 
-// no fused multiply-add: the product is rounded on its own, as in torch
+// rows [begin, end) of combine. No fused multiply-add: the product is rounded on its own, as in
+// torch. The attribute holds for this function only: parallel_for's lambda is a function of its
+// own, built with the file's flags (-ffast-math contracts), so the rows are summed here, not
+// inside the lambda (where the sums differed with the number of threads), and never inlined.
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void combine(const T* y, const int64_t* at, const T* w, int64_t N, int64_t k, int64_t D, T* out) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = 0; c < k; ++c) {
-        const T* row = y + at[t * k + c] * D;
-        const float wc = as_float(w[t * k + c]);
-        for (int64_t d = 0; d < D; ++d) acc[d] += as_float(narrow<T>(as_float(row[d]) * wc));
-      }
-      for (int64_t d = 0; d < D; ++d) out[t * D + d] = narrow<T>(acc[d]);
+__attribute__((optimize("fp-contract=off"), noinline)) void combine_rows(const T* y, const int64_t* at, const T* w,
+                                                                         int64_t k, int64_t D, T* out,
+                                                                         int64_t begin, int64_t end) {
+  std::vector<float> acc(D);
+  for (int64_t t = begin; t < end; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t c = 0; c < k; ++c) {
+      const T* row = y + at[t * k + c] * D;
+      const float wc = as_float(w[t * k + c]);
+      for (int64_t d = 0; d < D; ++d) acc[d] += as_float(narrow<T>(as_float(row[d]) * wc));
     }
-  });
+    for (int64_t d = 0; d < D; ++d) out[t * D + d] = narrow<T>(acc[d]);
+  }
+}
+
+template <typename T>
+void combine(const T* y, const int64_t* at, const T* w, int64_t N, int64_t k, int64_t D, T* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { combine_rows(y, at, w, k, D, out, begin, end); });
 }
 
 }  // namespace

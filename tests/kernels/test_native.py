@@ -526,12 +526,14 @@ def test_conv_step_updates_slots_in_place(dtype, state_dtype, activation):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
-def test_moe_routing_equals_torch_bitwise(dtype, top_k, monkeypatch):
+def test_moe_routing_equals_torch_bitwise(dtype, top_k, threads, monkeypatch):
     """The compiled dispatch (rows into padded expert blocks) and combine (weighted sum over
     the choices) give the torch routing's tensors bit for bit, for random routing with
-    unequal expert loads and an expert nobody chose."""
+    unequal expert loads and an expert nobody chose, on one thread or split over two (37 rows:
+    three blocks of parallel_for's 16; fp32 sums once took fused multiply-adds on two)."""
     from models.layers import mlp
 
     gen = torch.Generator().manual_seed(5)
@@ -541,9 +543,14 @@ def test_moe_routing_equals_torch_bitwise(dtype, top_k, monkeypatch):
     counts = torch.bincount(idx.flatten(), minlength=e)
     cap = int(counts.max()) + 1  # a spare padding row as well
     weight = torch.rand(t, top_k, generator=gen).to(dtype)
-    padded, at = mlp._dispatch(x, idx, counts, cap)
     y = torch.randn(e * cap, d, generator=gen).to(dtype)
-    out = mlp._combine(y, at, weight)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        padded, at = mlp._dispatch(x, idx, counts, cap)
+        out = mlp._combine(y, at, weight)
+    finally:
+        torch.set_num_threads(before)
     monkeypatch.setattr(native, "moe_dispatch", lambda *a: None)
     monkeypatch.setattr(native, "moe_combine", lambda *a: None)
     want_padded, want_at = mlp._dispatch(x, idx, counts, cap)
