@@ -121,7 +121,8 @@ class Engine:
             self.executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
         cost = self._with_host_link(self._cost_model()).context_parallel(config.context_parallel_size)
         self.scheduler = Scheduler(self.cache, config.scheduler, cost, time.monotonic)
-        self.requests: dict[str, tuple[Req, Detokenizer, str]] = {}  # rid -> (req, its text, OUTPUTS kind)
+        # rid -> (req, its text, OUTPUTS kind, its logprobs so far: SamplingParams.logprobs set)
+        self.requests: dict[str, tuple[Req, Detokenizer, str, list]] = {}
         self._ids = itertools.count()
         self.threads: ThreadGovernor | None = None  # made at the first round, on the thread that steps
         self.drift: Drift | None = Drift()  # None once it has warned
@@ -214,7 +215,7 @@ class Engine:
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
         req = Req(rid, ids, params.max_tokens, sampling=params, stop_token_ids=frozenset(stops))
         self.scheduler.add(req)
-        self.requests[rid] = (req, Detokenizer(self.tokenizer, params.stop, self.decode_ids), outputs)
+        self.requests[rid] = (req, Detokenizer(self.tokenizer, params.stop, self.decode_ids), outputs, [])
         return rid
 
     def abort(self, rid: str) -> bool:
@@ -277,7 +278,9 @@ class Engine:
         """req's output after this step (new_token: whether the step appended one); None where
         its kind returns nothing yet. A "final" request without stop strings is decoded once, at
         the end."""
-        _, detok, kind = self.requests[req.rid]
+        _, detok, kind, scored = self.requests[req.rid]
+        if logprob:
+            scored.append(logprob)
         if kind == "final" and not req.finished and not detok.stop:
             return None
         new_text = detok.update(req.output_ids, final=req.finished)
@@ -292,7 +295,7 @@ class Engine:
         whole = req.finished or kind == "cumulative"  # a delta leaves out what earlier steps returned
         return RequestOutput(req.rid, req.input_ids, list(req.output_ids) if whole else [], detok.text if whole else "",
                              new_ids, new_text, req.finished, req.finish_reason, req.cached_tokens,
-                             [logprob] if logprob else [])
+                             list(scored) if whole else [], [logprob] if logprob else [])
 
     def fail_inflight(self) -> list[str]:
         """After a step raised: abort the requests of the rounds in flight (the scheduler frees

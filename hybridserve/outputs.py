@@ -28,8 +28,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; `new_*` fields hold what this step added. `token_ids`
-    and `text` are empty in a "delta" request's outputs but its last (OUTPUTS)."""
+    """A request's state after a step; `new_*` fields hold what this step added. `token_ids`,
+    `text` and `logprobs` are empty in a "delta" request's outputs but its last (OUTPUTS)."""
 
     rid: str
     prompt_token_ids: list[int]
@@ -40,7 +40,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cached_tokens: int = 0
-    logprobs: list[tuple[float | None, list | None]] = field(default_factory=list)  # per new token
+    # (logprob, top alternatives) per token of token_ids (empty where token_ids is), and per new token
+    logprobs: list[tuple[float | None, list | None]] = field(default_factory=list)
+    new_logprobs: list[tuple[float | None, list | None]] = field(default_factory=list)
 
     @property
     def outputs(self) -> list[CompletionOutput]:

@@ -225,7 +225,7 @@ def _logprob_rows(tokenizer, outs) -> list[tuple[str, float, list[tuple[str, flo
     """(token text, logprob, [(alternative text, logprob)]) for each new token of outs."""
     rows = []
     for out in outs:
-        for tid, (lp, top) in zip(out.new_token_ids, out.logprobs):
+        for tid, (lp, top) in zip(out.new_token_ids, out.new_logprobs):
             rows.append((tokenizer.decode([tid]), lp, [(tokenizer.decode([t]), v) for t, v in top or ()]))
     return rows
 

@@ -101,6 +101,29 @@ def test_engine_passes_built_objects_in(profile):
     assert eng.scheduler.cache is eng.cache
 
 
+def test_logprobs_cover_every_token_in_each_output_kind(profile):
+    """With logprobs set, a whole output (LLM.generate's, each "cumulative" one, a "delta"
+    stream's last) holds one (logprob, top alternatives) per token of token_ids, the same in every
+    kind; each step's new_logprobs pairs with its new_token_ids, and a delta stream's new ones
+    joined are the whole list. (LLM.generate once returned the last token's only.)"""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    llm = LLM(cost_profile=profile, memory_gb=0.25, max_running=4)
+    (out,) = llm.generate(["def f(x):"], params)
+    assert len(out.token_ids) == len(out.logprobs) == 6
+    assert [top[0][0] for _, top in out.logprobs] == out.token_ids  # greedy: the sampled token is the best
+    assert out.outputs[0].logprobs == out.logprobs
+    eng = llm.engine
+    for kind in ("cumulative", "delta"):
+        rid = eng.add_request("def f(x):", params, outputs=kind)
+        steps = [o for _ in range(50) if eng.has_unfinished() for o in eng.step() if o.rid == rid]
+        assert all(len(o.new_logprobs) == len(o.new_token_ids) for o in steps)
+        assert [lp for o in steps for lp in o.new_logprobs] == out.logprobs
+        assert steps[-1].logprobs == out.logprobs and steps[-1].token_ids == out.token_ids
+        whole = steps if kind == "cumulative" else steps[-1:]
+        assert all(len(o.logprobs) == len(o.token_ids) for o in whole)
+        assert all(not o.logprobs for o in steps[:-1]) or kind == "cumulative"
+
+
 def test_bf16_checkpoint_served_fp32_keeps_states_fp32_and_hits_change_nothing(kimi_path, tmp_path, profile):
     """A checkpoint declaring bfloat16 served with dtype=float32: every state slot (conv tails
     too) is fp32, and a next turn resumed from a checkpoint gives the cold run's greedy tokens
