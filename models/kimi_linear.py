@@ -12,7 +12,7 @@ from kernels.kda import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.layers.context_parallel import store_kv
-from models.layers.linear import Linear, fused_linear, joined
+from models.layers.linear import Linear, fused_linear, joined, stacked
 from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
@@ -62,7 +62,7 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, f, b, g = fused_linear(x, self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                                         self.g_a_proj)
         qkv = joined(q, k, v)  # [T, 3*H*D], a view of the projection's columns
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
+        w = stacked([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3*H*D, W]
         t, hd = x.shape[0], (self.h, self.d, self.h, self.d)
         decay_in, gate = self.f_b_proj(f)[:, None], self.g_b_proj(g).view(t, self.h, self.d)
         o = delta_decode(batch, buf, qkv, w, hd, decay_in, self.A_log, self.dt_bias, b[:, None], self.o_norm, gate,

@@ -69,13 +69,7 @@ def fuse(linears: tuple[nn.Linear, ...]) -> Fused:
     if len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
         raise ValueError("fused_linear: the linears must share in_features, dtype and device")
     sizes = [lin.out_features for lin in linears]
-    weights = [lin.weight.data for lin in linears]
-    if adjacent(weights):  # already one stack's rows (e.g. experts' gate and up in stack_experts)
-        weight = weights[0].as_strided((sum(sizes), weights[0].shape[1]), weights[0].stride())
-    else:
-        weight = torch.cat(weights)
-        for lin, w in zip(linears, weight.split(sizes)):
-            lin.weight.data = w
+    weight = stacked([lin.weight for lin in linears])
     bias = None
     if any(lin.bias is not None for lin in linears):
         bias = torch.cat([weight.new_zeros(n) if lin.bias is None else lin.bias.data for lin, n in zip(linears, sizes)])
@@ -84,6 +78,20 @@ def fuse(linears: tuple[nn.Linear, ...]) -> Fused:
                 lin.bias.data = b
     FUSED[linears[0]] = f = Fused(linears, weight, bias, sizes)
     return f
+
+
+def stacked(params: list[torch.Tensor]) -> torch.Tensor:
+    """params (one trailing shape, dtype and device) as one tensor stacked along dim 0: a view
+    where they are already consecutive rows of one storage (e.g. experts' gate and up in
+    stack_experts); else the stack is made once and each parameter's data becomes a view of its
+    rows (one copy of the weights, and every later call a view)."""
+    data = [p.data for p in params]
+    if adjacent(data):
+        return data[0].as_strided((sum(d.shape[0] for d in data), *data[0].shape[1:]), data[0].stride())
+    stack = torch.cat(data)
+    for p, rows in zip(params, stack.split([d.shape[0] for d in data])):
+        p.data = rows
+    return stack
 
 
 def adjacent(ts: list[torch.Tensor]) -> bool:
