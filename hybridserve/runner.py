@@ -37,7 +37,8 @@ class ModelRunner(Executor):
         logits = self.forward(segs, sampling)  # [S, vocab], one row per sampling segment
         reqs = batch.sampling_reqs
         out = self.sampler(logits, [r.sampling for r in reqs], [r.rid for r in reqs])
-        return StepOutput(out.tokens, time.perf_counter() - t0, list(zip(out.logprobs, out.top_logprobs)))
+        scored = [None if lp is None else (lp, top) for lp, top in zip(out.logprobs, out.top_logprobs)]
+        return StepOutput(out.tokens, time.perf_counter() - t0, scored)  # None: logprobs not asked for
 
     def forward(self, segs: list[Segment], sampling: list[int]) -> torch.Tensor:
         """Logits [len(sampling), vocab] at the last token of the segments listed in `sampling`."""

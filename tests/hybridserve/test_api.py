@@ -105,13 +105,16 @@ def test_logprobs_cover_every_token_in_each_output_kind(profile):
     """With logprobs set, a whole output (LLM.generate's, each "cumulative" one, a "delta"
     stream's last) holds one (logprob, top alternatives) per token of token_ids, the same in every
     kind; each step's new_logprobs pairs with its new_token_ids, and a delta stream's new ones
-    joined are the whole list. (LLM.generate once returned the last token's only.)"""
+    joined are the whole list; without logprobs there are none. (LLM.generate once returned the
+    last token's only, and a (None, None) pair where none were asked for.)"""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     llm = LLM(cost_profile=profile, memory_gb=0.25, max_running=4)
     (out,) = llm.generate(["def f(x):"], params)
     assert len(out.token_ids) == len(out.logprobs) == 6
     assert [top[0][0] for _, top in out.logprobs] == out.token_ids  # greedy: the sampled token is the best
     assert out.outputs[0].logprobs == out.logprobs
+    (plain,) = llm.generate(["def f(x):"], GREEDY)  # not asked for: none kept or returned
+    assert plain.token_ids[:6] == out.token_ids and plain.logprobs == plain.new_logprobs == []
     eng = llm.engine
     for kind in ("cumulative", "delta"):
         rid = eng.add_request("def f(x):", params, outputs=kind)
