@@ -376,7 +376,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("this checkout's CPU kernels are not built (see the log above)")
     old = load(build_rev(args.rev) if args.rev else args.old)
     keep_freed_memory()
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        return compare_modules(args, ap, old, new)
+    finally:
+        torch.set_num_threads(threads)  # as found: main() also runs inside other processes (the tests)
+
+
+def compare_modules(args: argparse.Namespace, ap: argparse.ArgumentParser, old, new) -> list[dict]:
+    """The engine's calls (--engine) or the cases, on both modules; the rows printed as they come."""
     if args.engine:
         from benchmarks import peers
 

@@ -48,10 +48,13 @@ def test_engine_mode_makes_each_call_on_both_modules(tmp_path):
                                          (["--engine", "builtin", "--kernels", "paged_prefil"], "paged_prefil")])
 def test_engine_mode_refuses_an_unknown_model_or_kernel(bad, message, capsys):
     """An --engine model without a peer row, or a --kernels name neither module has, is refused
-    before anything runs, naming what was wrong."""
+    before anything runs, naming what was wrong; torch's thread count is left as it was (the
+    default --threads 2 once stayed set, and a later bitwise test ran on two threads)."""
+    threads = torch.get_num_threads()
     with pytest.raises(SystemExit):
-        kernel_ab.main(["--old", str(Path(native.extension().__file__)), *bad])
+        kernel_ab.main(["--old", str(Path(native.extension().__file__)), "--threads", str(threads + 1), *bad])
     assert message in capsys.readouterr().err
+    assert torch.get_num_threads() == threads
 
 
 def test_engine_mode_gives_both_modules_the_same_states_and_keeps_the_new_ones():
