@@ -245,12 +245,12 @@ def attention_decode(q, k, v, k_cache, v_cache, kv_slots, page_table, seq_lens, 
     ext = extension() if ok else None
     if ext is None:
         return None
-    g = EMPTY if gate is None else gate
-    if norms is None:  # empty norm weights: no norm, no RoPE
-        return ext.attention_decode(q, g, k, v, EMPTY, EMPTY, 0.0, 0.0, EMPTY, EMPTY, k_cache, v_cache, kv_slots,
-                                    page_table, seq_lens, scale)
-    return ext.attention_decode(q, g, k, v, _f32(q_norm.weight), _f32(k_norm.weight), q_norm.eps, q_norm.offset,
-                                _dense(cos), _dense(sin), k_cache, v_cache, kv_slots, page_table, seq_lens, scale)
+    # empty norm weights: no norm, no RoPE; an empty gate: none
+    wq, wk, eps, offset, cos, sin = ((EMPTY, EMPTY, 0.0, 0.0, EMPTY, EMPTY) if norms is None else
+                                     (_f32(q_norm.weight), _f32(k_norm.weight), q_norm.eps, q_norm.offset,
+                                      _dense(cos), _dense(sin)))
+    return ext.attention_decode(q, EMPTY if gate is None else gate, k, v, wq, wk, eps, offset, cos, sin, k_cache,
+                                v_cache, kv_slots, page_table, seq_lens, scale)
 
 
 def mamba_decode(xbc, conv_w, conv_b, conv_state, silu: bool, dt, dt_bias, dt_min: float, A_log, D, state, slots,
