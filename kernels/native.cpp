@@ -150,7 +150,7 @@ static at::Tensor delta_decode(const at::Tensor& qkv, const at::Tensor& conv_w, 
   const auto y = conv_step(qkv, conv_w, at::empty({0}, conv_w.options()), conv_state, slots, true);
   const auto in = delta_prepare(y, H, K, HV, V, a, A_log, dt_bias, b, eps);  // q, k, v, g, beta
   const auto o = delta_step(in[0], in[1], in[2], in[3], in[4], state, slots, scale);
-  return rms_norm(o, norm_w, norm_eps, 0.0, false, gate.contiguous(), act, out_dtype);
+  return rms_norm(o, norm_w, norm_eps, 0.0, false, gate, act, out_dtype);
 }
 
 // A GQA layer's decode rows: with q and k norm weights (models/qwen3_next.py GatedAttention) the

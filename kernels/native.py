@@ -225,7 +225,7 @@ def delta_decode(qkv, conv_w, conv_state, state, slots, heads: tuple[int, int, i
     if ext is None:
         return None
     return ext.delta_decode(_rows(qkv), _f32(conv_w), conv_state, state, slots, h, k, hv, v, a, _f32(A_log).view(-1),
-                            _f32(dt_bias).view(-1), b, eps, k ** -0.5, gate, _f32(norm.weight), norm.eps,
+                            _f32(dt_bias).view(-1), b, eps, k ** -0.5, _token_rows(gate), _f32(norm.weight), norm.eps,
                             norm.activation, dtype)
 
 
@@ -295,14 +295,14 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = Fals
     """models/layers/norm.py's norms in one pass: x / rms(x) in fp32, then times (offset + weight)
     and act(gate) (act "silu", "sigmoid" or "" for a plain gate), cast to `dtype` (x's dtype, or
     bf16 from fp32 x: the one rounding a cast of the fp32 output makes); with cast_first, cast to
-    x's dtype first and times weight in that dtype. Rows of a 2-D x are read in place (any
-    stride apart). None where the kernel cannot run."""
+    x's dtype first and times weight in that dtype. Rows of a 2-D x, and the gate's first dim,
+    are read in place (any stride apart). None where the kernel cannot run."""
     dtype = x.dtype if dtype is None else dtype
     ok = _routable(x) and (gate is None or (_routable(gate) and gate.shape == x.shape))
     ext = extension() if ok and dtype in (x.dtype, torch.bfloat16) else None
     if ext is None:
         return None
-    g = EMPTY if gate is None else _dense(gate)
+    g = EMPTY if gate is None else _token_rows(gate) if gate.dim() > 1 else _dense(gate)
     return ext.rms_norm(_rows(x) if x.dim() == 2 else _dense(x), _f32(weight), eps, offset, cast_first, g, act, dtype)
 
 
@@ -379,6 +379,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     """t [R, C] as the kernels read rows: unit stride in C, rows any stride apart (a column range
     of a wider projection is read in place), not overlapping."""
     return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
+
+
+def _token_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [T, ...] with each t[i] contiguous and the T rows any stride apart (not overlapping): the
+    gate of rms_norm read in place from a column range of a projection's output."""
+    inner = t.shape[1:].numel()
+    ok = t.shape[0] > 0 and t.stride(-1) == 1 and t.stride(0) >= inner and t[0].is_contiguous()
+    return t if ok else t.contiguous()
 
 
 def _routable(t: torch.Tensor) -> bool:

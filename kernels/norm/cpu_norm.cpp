@@ -26,9 +26,11 @@ inline float inv_rms(const T* x, int64_t D, float eps) {
   return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
 }
 
+// gate rows: per_tok rows of D a token, contiguous, tokens ldg apart (a column range of a
+// projection's output read in place)
 template <typename T, typename G, typename Y>
-void norm_rows(const T* x, int64_t ldx, const float* w, float offset, bool cast_first, const G* gate, Act act,
-               float eps, int64_t rows, int64_t D, Y* y) {
+void norm_rows(const T* x, int64_t ldx, const float* w, float offset, bool cast_first, const G* gate, int64_t per_tok,
+               int64_t ldg, Act act, float eps, int64_t rows, int64_t D, Y* y) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> v(D);
     for (int64_t r = begin; r < end; ++r) {
@@ -43,7 +45,7 @@ void norm_rows(const T* x, int64_t ldx, const float* w, float offset, bool cast_
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) v[d] = as_float(xr[d]) * inv * (offset + w[d]);
       if (gate) {  // each activation its own vector pass
-        const G* gr = gate + r * D;
+        const G* gr = gate + r / per_tok * ldg + r % per_tok * D;
         if (act == kSilu) {
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) v[d] *= as_float(gr[d]) / (1.f + std::exp(-as_float(gr[d])));
@@ -165,8 +167,9 @@ at::Tensor gated_group_norm(const at::Tensor& x, const at::Tensor& z, const at::
 }
 
 // x [..., D] with a contiguous layout, or rows [R, D] any stride apart (fp32 or bf16); weight [D]
-// fp32; gate [..., D] like x's shape, contiguous (fp32 or bf16), or empty; act "silu", "sigmoid" or
-// "" for the gate. Returns y [..., D] contiguous in out_dtype: x's dtype, or bf16 (one rounding of
+// fp32; gate [..., D] like x's shape (fp32 or bf16), each gate[t] contiguous, the first dim any
+// stride apart (a column range of a wider projection), or empty; act "silu", "sigmoid" or "" for
+// the gate. Returns y [..., D] contiguous in out_dtype: x's dtype, or bf16 (one rounding of
 // the fp32 result, as a cast of the fp32 output would round it).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset, bool cast_first,
                     const at::Tensor& gate, const std::string& act, at::ScalarType out_dtype) {
@@ -175,12 +178,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
   TORCH_CHECK(rows2d || x.is_contiguous(), "rms_norm: contiguous x, or rows [R, D] with unit stride in D");
   const int64_t D = x.size(-1), rows = D ? x.numel() / D : 0, ldx = rows2d ? x.stride(0) : D;
   TORCH_CHECK(weight.numel() == D, "rms_norm: weight [D]");
-  TORCH_CHECK(!gate.numel() || (gate.sizes() == x.sizes() && gate.is_contiguous()), "rms_norm: gate like x");
+  const int64_t per_tok = gate.numel() && x.dim() > 1 ? gate[0].numel() / D : 1;
+  TORCH_CHECK(!gate.numel() || (gate.sizes() == x.sizes() && (x.dim() == 1 || (gate[0].is_contiguous() &&
+                                                                               gate.stride(0) >= gate[0].numel()))),
+              "rms_norm: gate like x, each gate[t] contiguous");
   TORCH_CHECK(!cast_first || !gate.numel(), "rms_norm: cast_first takes no gate");
   TORCH_CHECK(out_dtype == x.scalar_type() || out_dtype == at::kBFloat16, "rms_norm: output in x's dtype or bf16");
   TORCH_CHECK(!gate.numel() || gate.scalar_type() == at::kBFloat16 || gate.scalar_type() == at::kFloat,
               "rms_norm: fp32 or bf16 gate");
   const Act a = act == "silu" ? kSilu : act == "sigmoid" ? kSigmoid : kNone;
+  const int64_t ldg = gate.numel() && x.dim() > 1 ? gate.stride(0) : D;
   auto y = at::empty(x.sizes(), x.options().dtype(out_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
     using T = scalar_t;
@@ -188,10 +195,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, d
     const float* wp = weight.data_ptr<float>();
     auto run = [&](auto* out) {
       if (gate.numel() && gate.scalar_type() == at::kBFloat16)
-        norm_rows(xp, ldx, wp, offset, cast_first, gate.data_ptr<c10::BFloat16>(), a, eps, rows, D, out);
+        norm_rows(xp, ldx, wp, offset, cast_first, gate.data_ptr<c10::BFloat16>(), per_tok, ldg, a, eps, rows, D, out);
       else
-        norm_rows(xp, ldx, wp, offset, cast_first, gate.numel() ? gate.data_ptr<float>() : nullptr, a, eps, rows, D,
-                  out);
+        norm_rows(xp, ldx, wp, offset, cast_first, gate.numel() ? gate.data_ptr<float>() : nullptr, per_tok, ldg, a,
+                  eps, rows, D, out);
     };
     if (out_dtype == x.scalar_type())
       run(y.data_ptr<T>());

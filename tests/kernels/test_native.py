@@ -634,6 +634,26 @@ def test_rms_norm_in_bf16_and_of_strided_rows():
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape", [(70, 4, 64), (70, 64)])
+def test_rms_norm_reads_a_gate_of_projection_columns_in_place(shape, monkeypatch):
+    """A gate that is a column range of a wider projection's output (GDN's z beside qkv) is read
+    where it lies: the same bits as its contiguous copy, and no copy made."""
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(*shape, generator=gen) * 3, torch.randn(64, generator=gen)
+    inner = x[0].numel()
+    wide = torch.randn(70, inner + 96, generator=gen).bfloat16()
+    gate = wide[:, 32:32 + inner].view(shape)
+    assert not gate.is_contiguous()
+    want = {act: native.rms_norm(x, w, 1e-6, gate=gate.contiguous(), act=act, dtype=torch.bfloat16)
+            for act in ("sigmoid", "silu")}
+    copies, real = [], torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: copies.append(t.shape) or real(t, *a, **k))
+    for act in ("sigmoid", "silu"):
+        assert torch.equal(native.rms_norm(x, w, 1e-6, gate=gate, act=act, dtype=torch.bfloat16), want[act])
+    assert not copies
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_gated_group_norm_equals_torch_norm(dtype, groups, monkeypatch):
