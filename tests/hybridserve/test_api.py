@@ -60,6 +60,25 @@ def test_generate_validates_every_prompt_before_queueing_any(profile):
     assert len(outs) == 1 and outs[0].prompt_token_ids == list(b"x = 1")
 
 
+def test_offline_rounds_fill_up_to_max_step(tmp_path):
+    """LLM's rounds fill up to max_step (offline nobody reads a token before its whole output);
+    with the server's target_step the same prompts take more rounds, and give the same tokens.
+    A target or max_step given is kept."""
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps({"c0": 1e-3, "c_tok": 1e-4}))  # ~1,000 tokens in 0.1 s, ~5,000 in 0.5 s
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(600)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    runs = {}
+    for name, extra in (("offline", {}), ("server", {"target_step": SchedulerConfig.target_step})):
+        llm = LLM(cost_profile=str(path), memory_gb=0.25, max_running=4, **extra)
+        runs[name] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.scheduler.counters["rounds"])
+    assert EngineConfig().scheduler.target_step == SchedulerConfig.target_step < SchedulerConfig.max_step
+    assert runs["offline"][0] == runs["server"][0]
+    assert runs["offline"][1] == 2 < runs["server"][1]  # one prefill round, one decode round
+    assert LLM(cost_profile=str(path), memory_gb=0.25, max_step=0.3).engine.config.scheduler.target_step == 0.3
+    assert LLM(cost_profile=str(path), memory_gb=0.25, target_step=0.05).engine.config.scheduler.target_step == 0.05
+
+
 def test_vllm_prompt_forms_give_the_same_tokens(profile):
     """{"prompt": text} and {"prompt_token_ids": ids} are the text and the ids; a single prompt
     of any form returns one output; `out.outputs[0]` reads as in vLLM."""
