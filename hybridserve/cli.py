@@ -22,12 +22,16 @@ from hybridserve.server_config import ServerConfig
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; defaults come from the dataclasses (model: see add_model_arg)."""
+def add_engine_flags(parser: argparse.ArgumentParser, offline: bool = False) -> None:
+    """One flag per setting; defaults come from the dataclasses (model: see add_model_arg).
+    offline (generate): --target-step defaults to LLM's offline choice, max_step."""
     group = parser.add_argument_group("engine settings")
     hints = {sec: typing.get_type_hints(cls) for sec, cls in ((None, EngineConfig), *SECTIONS.items())}
     for name, (sec, f) in EngineConfig.settings().items():
-        if name != "model":
+        if name == "target_step" and offline:
+            group.add_argument("--target-step", type=float, default=argparse.SUPPRESS,
+                               help=f"{f.metadata['help']} (default: max_step; offline, as LLM)")
+        elif name != "model":
             add_field_flag(group, f, hints[sec][name], f.default)
 
 
@@ -67,7 +71,8 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    settings = {name: getattr(args, name) for name in EngineConfig.settings() if name != "model"}
+    # a flag without a default (generate's --target-step) is left to LLM when not given
+    settings = {name: getattr(args, name) for name in EngineConfig.settings() if name != "model" and name in args}
     return EngineConfig.from_settings(model=args.model, **settings)
 
 
@@ -105,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeat for several); not printed")
     gen.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="token ids that end generation")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
-    add_engine_flags(gen)
+    add_engine_flags(gen, offline=True)
 
     cal = sub.add_parser("calibrate", formatter_class=fmt, parents=[common],
                          help="fit the step-time cost model on this machine",
@@ -153,7 +158,10 @@ def run_generate(args, config: EngineConfig) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=tuple(args.stop),
                             stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos)
-    llm = LLM(**config.flat())
+    settings = config.flat()
+    if "target_step" not in args:
+        del settings["target_step"]  # LLM's offline default
+    llm = LLM(**settings)
     prompt = args.prompt
     if args.chat:
         tok = llm.engine.tokenizer

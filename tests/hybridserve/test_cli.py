@@ -18,6 +18,7 @@ from hybridserve import calibrate as calibrate_module
 from hybridserve.cli import build_parser, engine_config, main
 from hybridserve.config import EngineConfig
 from hybridserve.logs import PACKAGES, setup_logging
+from scheduler.config import SchedulerConfig
 from scheduler.cost import COEFFS, CostModel
 
 PROFILE = {"c0": 0.01, "c_tok": 1e-4, "c_serial": 1e-3, "c_dec": 1e-3}
@@ -154,6 +155,28 @@ def test_generate_prints_the_completion(capsys, profile):
     llm = LLM(cost_profile=profile, memory_gb=0.25, max_running=4)
     (want,) = llm.generate("Hello there", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert out.out == want.text + "\n"
+
+
+def test_generate_fills_rounds_up_to_max_step_as_llm_does(capsys, profile, monkeypatch):
+    """`generate` is offline: its rounds fill up to max_step unless --target-step is given; `serve`
+    keeps the server's target_step."""
+    import hybridserve.llm
+
+    seen = []
+
+    class Spy(hybridserve.llm.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen.append(self.engine.config.scheduler.target_step)
+
+    monkeypatch.setattr(hybridserve.llm, "LLM", Spy)
+    for extra in ([], ["--target-step", "0.2"]):
+        assert main(["generate", "--prompt", "x", "--max-tokens", "1", "--cost-profile", profile, *SMALL, *extra]) == 0
+    assert seen == [SchedulerConfig.max_step, 0.2]
+    assert engine_config(parse("serve")).scheduler.target_step == SchedulerConfig.target_step
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "(default: max_step; offline, as LLM)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_calibrate_writes_a_profile(capsys, tmp_path, monkeypatch):
