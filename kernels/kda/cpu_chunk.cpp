@@ -47,10 +47,10 @@ struct Sizes {
 // (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
 // The work buffers of one thread, reused job after job and chunk after chunk.
 struct Scratch {
-  std::vector<float> k, q, kq, G, kout, A, A_raw, X, e, R, C, D;
+  std::vector<float> k, q, kq, kT, G, kout, A, A_raw, X, e, R, C, D;
   explicit Scratch(const Sizes& s)
-      : k(CHUNK * s.K), q(CHUNK * s.K), kq(2 * CHUNK * s.K), G(CHUNK * s.gK), kout(CHUNK * s.K),
-        A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * (s.V + s.K)),
+      : k(CHUNK * s.K), q(CHUNK * s.K), kq(2 * CHUNK * s.K), kT(s.gK == 1 ? s.K * CHUNK : 0), G(CHUNK * s.gK),
+        kout(CHUNK * s.K), A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * (s.V + s.K)),
         e(std::max(s.K, CHUNK)), R(2 * SBLK * s.K), C(s.K * CHUNK), D(3 * PBLK * s.K) {}
 };
 
@@ -211,11 +211,15 @@ void keys(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, int64_t h,
       q[i * K + d] = as_float(qr[d]);
     }
   }
-  if (s.gK == 1) {
-    float* kq = w.kq.data();
-    std::copy(k, k + c * K, kq);
-    std::copy(q, q + c * K, kq + c * K);
-    mm(false, true, 2 * c, c, K, 1.f, kq, K, k, K, 0.f, w.A_raw.data(), CHUNK);
+  if (s.gK == 1) {  // rows i (keys) and c + i (queries) against the keys j <= i only, BLK rows at a time
+    float *kT = w.kT.data(), *A = w.A_raw.data();  // kT: the keys as columns [K, c]
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t d = 0; d < K; ++d) kT[d * c + i] = k[i * K + d];
+    for (int64_t r0 = 0; r0 < c; r0 += BLK) {
+      const int64_t r1 = std::min(c, r0 + BLK);
+      mm(false, false, r1 - r0, r1, K, 1.f, k + r0 * K, K, kT, c, 0.f, A + r0 * CHUNK, CHUNK);
+      mm(false, false, r1 - r0, r1, K, 1.f, q + r0 * K, K, kT, c, 0.f, A + (c + r0) * CHUNK, CHUNK);
+    }
   }
 }
 
@@ -299,7 +303,10 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
   const int64_t ldo = s.HV * V;
   mm(false, false, c, V, K, -1.f, X + V, VK, S, V, 1.f, X, VK);      // D = U - W S
   mm(false, false, c, V, K, 1.f, qin, K, S, V, 0.f, oc, ldo);        // O = Q exp(G) scale S
-  mm(false, false, c, V, c, 1.f, A_qk, CHUNK, X, VK, 1.f, oc, ldo);  //   + A_qk D
+  for (int64_t b0 = 0; b0 < c; b0 += BLK) {  //   + A_qk D: BLK rows against the tokens up to their last (causal)
+    const int64_t b1 = std::min(c, b0 + BLK);
+    mm(false, false, b1 - b0, V, b1, 1.f, A_qk + b0 * CHUNK, CHUNK, X, VK, 1.f, oc + b0 * ldo, ldo);
+  }
   for (int64_t r = 0; r < K; ++r) {  // S = exp(G_last) S + (K exp(G_last - G))^T D
     const float decay = exp_floor(last[gK == 1 ? 0 : r]);
 #pragma omp simd
