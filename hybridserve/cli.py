@@ -71,8 +71,9 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    # a flag without a default (generate's --target-step) is left to LLM when not given
     settings = {name: getattr(args, name) for name in EngineConfig.settings() if name != "model" and name in args}
+    if "target_step" not in args:  # generate without --target-step: LLM's offline choice, max_step
+        settings["target_step"] = settings["max_step"]
     return EngineConfig.from_settings(model=args.model, **settings)
 
 
@@ -158,10 +159,7 @@ def run_generate(args, config: EngineConfig) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=tuple(args.stop),
                             stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos)
-    settings = config.flat()
-    if "target_step" not in args:
-        del settings["target_step"]  # LLM's offline default
-    llm = LLM(**settings)
+    llm = LLM(**config.flat())
     prompt = args.prompt
     if args.chat:
         tok = llm.engine.tokenizer

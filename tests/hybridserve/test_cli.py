@@ -158,8 +158,8 @@ def test_generate_prints_the_completion(capsys, profile):
 
 
 def test_generate_fills_rounds_up_to_max_step_as_llm_does(capsys, profile, monkeypatch):
-    """`generate` is offline: its rounds fill up to max_step unless --target-step is given; `serve`
-    keeps the server's target_step."""
+    """`generate` is offline: its rounds fill up to max_step (whatever --max-step says) unless
+    --target-step is given; `serve` keeps the server's target_step."""
     import hybridserve.llm
 
     seen = []
@@ -170,9 +170,9 @@ def test_generate_fills_rounds_up_to_max_step_as_llm_does(capsys, profile, monke
             seen.append(self.engine.config.scheduler.target_step)
 
     monkeypatch.setattr(hybridserve.llm, "LLM", Spy)
-    for extra in ([], ["--target-step", "0.2"]):
+    for extra in ([], ["--target-step", "0.2"], ["--max-step", "0.05"]):  # a max below serve's default target too
         assert main(["generate", "--prompt", "x", "--max-tokens", "1", "--cost-profile", profile, *SMALL, *extra]) == 0
-    assert seen == [SchedulerConfig.max_step, 0.2]
+    assert seen == [SchedulerConfig.max_step, 0.2, 0.05]
     assert engine_config(parse("serve")).scheduler.target_step == SchedulerConfig.target_step
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
