@@ -47,9 +47,9 @@ struct Sizes {
 // (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
 // The work buffers of one thread, reused job after job and chunk after chunk.
 struct Scratch {
-  std::vector<float> k, q, kq, kT, G, kout, A, A_raw, X, e, R, C, D;
+  std::vector<float> k, q, qs, kT, G, kout, A, A_raw, X, e, R, C, D;
   explicit Scratch(const Sizes& s)
-      : k(CHUNK * s.K), q(CHUNK * s.K), kq(2 * CHUNK * s.K), kT(s.gK == 1 ? s.K * CHUNK : 0), G(CHUNK * s.gK),
+      : k(CHUNK * s.K), q(CHUNK * s.K), qs(CHUNK * s.K), kT(s.gK == 1 ? s.K * CHUNK : 0), G(CHUNK * s.gK),
         kout(CHUNK * s.K), A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * (s.V + s.K)),
         e(std::max(s.K, CHUNK)), R(2 * SBLK * s.K), C(s.K * CHUNK), D(3 * PBLK * s.K) {}
 };
@@ -229,11 +229,11 @@ template <typename T>
 void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c, int64_t hv, float* S,
            Scratch& w) {
   const int64_t K = s.K, V = s.V, gK = s.gK, VK = V + K;
-  // k [c, K]; kq [2c, K]: rows 0..c K exp(G), rows c..2c Q exp(G) scale; A [2c, CHUNK]: A_kk then A_qk;
-  // X [c, V + K]: [V | K exp(G)], solved in place into [U | W], then [D | W]
-  float *k = w.k.data(), *kq = w.kq.data(), *G = w.G.data(), *kout = w.kout.data(), *A = w.A.data();
+  // k [c, K]; qin [c, K]: the queries, raw until A_qk is formed, then Q exp(G) scale; A [2c, CHUNK]:
+  // A_kk then A_qk; X [c, V + K]: [V | K exp(G)], solved in place into [U | W], then [D | W]
+  float *k = w.k.data(), *qin = w.qs.data(), *G = w.G.data(), *kout = w.kout.data(), *A = w.A.data();
   float *X = w.X.data(), *e = w.e.data();
-  float *qin = kq + c * K, *A_kk = A, *A_qk = A + c * CHUNK;
+  float *A_kk = A, *A_qk = A + c * CHUNK;
   std::copy(w.q.data(), w.q.data() + c * K, qin);  // raw q until A_qk is formed
   for (int64_t i = 0; i < c; ++i) {  // G = running sum of the clamped log decays; V as fp32
     const T* vr = in.v + ((t0 + i) * s.HV + hv) * V;
