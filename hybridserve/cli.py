@@ -72,9 +72,8 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     settings = {name: getattr(args, name) for name in EngineConfig.settings() if name != "model" and name in args}
-    if "target_step" not in args:  # generate without --target-step: LLM's offline choice, max_step
-        settings["target_step"] = settings["max_step"]
-    return EngineConfig.from_settings(model=args.model, **settings)
+    # only generate's --target-step can be absent (no default): then its offline choice, as LLM's
+    return (EngineConfig.from_settings if "target_step" in args else EngineConfig.offline)(model=args.model, **settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

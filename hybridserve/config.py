@@ -110,6 +110,16 @@ class EngineConfig:
         """A config from flat setting names (the defaults for the rest)."""
         return cls().replace(**settings)
 
+    @classmethod
+    def offline(cls, **settings: Any) -> EngineConfig:
+        """from_settings for offline generation (`LLM`, `hybridserve generate`): nobody reads a
+        token before its whole output, so the serial policies' rounds fill up to `max_step`
+        rather than the server's `target_step` (an inter-token latency target), unless
+        `target_step` (or a `scheduler` section) is given."""
+        if "target_step" not in settings and "scheduler" not in settings:
+            settings["target_step"] = settings.get("max_step", SchedulerConfig.max_step)
+        return cls.from_settings(**settings)
+
     def replace(self, **settings: Any) -> EngineConfig:
         """A copy with flat-named settings changed; TypeError names an unknown setting."""
         known = self.settings()

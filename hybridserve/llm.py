@@ -11,20 +11,15 @@ from hybridserve.config import EngineConfig
 from hybridserve.engine import Engine, Prompt
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
-from scheduler.config import SchedulerConfig
 
 
 class LLM:
-    """`LLM(model, **settings)`: an Engine built from flat setting names (EngineConfig).
-
-    Offline, nobody reads a token before its whole output, so the serial policies' rounds fill
-    up to `max_step` rather than the server's `target_step` (an inter-token latency target):
-    fewer, larger rounds. Give `target_step` (or a `scheduler` section) to set it yourself."""
+    """`LLM(model, **settings)`: an Engine built from flat setting names (EngineConfig), offline:
+    its rounds fill up to `max_step` unless `target_step` (or a `scheduler` section) is given
+    (EngineConfig.offline): fewer, larger rounds than the server's."""
 
     def __init__(self, model: str = "builtin", **settings):
-        if "target_step" not in settings and "scheduler" not in settings:
-            settings["target_step"] = settings.get("max_step", SchedulerConfig.max_step)
-        self.engine = Engine(EngineConfig.from_settings(model=model, **settings))
+        self.engine = Engine(EngineConfig.offline(model=model, **settings))
 
     def close(self) -> None:
         """Stop a multi-rank engine's workers, if any (also on leaving a `with` block)."""
