@@ -98,6 +98,10 @@ static std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,
                                                  const at::Tensor& at_rows, bool silu);
+at::Tensor causal_conv1d_slots(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh,
+                               const at::Tensor& cu_seqlens, const at::Tensor& at_rows,
+                               const at::Tensor& checkpoint_slots, bool silu);
 std::tuple<at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& counts,
                                                 int64_t cap);
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at::Tensor& weight);
@@ -225,6 +229,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_ssd", &chunk_ssd, nogil, "Mamba2 SSD chunkwise prefill (kernels/mamba2/cpu_ssd.cpp)");
   m.def("chunk_ssd_slots", &chunk_ssd_slots, nogil, "the same, states read and written in rows of a pool");
   m.def("causal_conv1d", &causal_conv1d, nogil, "causal depthwise conv1d prefill (kernels/conv1d/cpu_conv.cpp)");
+  m.def("causal_conv1d_slots", &causal_conv1d_slots, nogil, "the same, states read and written in rows of a pool");
   m.def("ssd_step", &ssd_step, nogil, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
   m.def("rms_norm", &rms_norm, nogil, "RMS norm, optionally gated, one pass per row (kernels/norm/cpu_norm.cpp)");
   m.def("conv_step", &conv_step, nogil, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");

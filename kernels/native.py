@@ -186,6 +186,23 @@ def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
                              cu_seqlens, at_rows, silu)
 
 
+def causal_conv1d_slots(x, weight, bias, state, slots, fresh, cu_seqlens, at_rows, checkpoint_slots,
+                        silu: bool) -> torch.Tensor | None:
+    """causal_conv1d with the conv states in a pool, read and written in place: state [P, D, W-1]
+    (fp32 or bf16, contiguous), sequence n's initial state in row slots[n] (zeros where fresh[n])
+    advanced there to its final state, the state at each row of at_rows written into row
+    checkpoint_slots[i]. Returns y [T, D] in x's dtype, or None where the kernel cannot run
+    (nothing is written then)."""
+    ok = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    ok = ok and state.dtype in (torch.float32, torch.bfloat16) and state.is_contiguous()
+    ext = extension() if ok else None
+    if ext is None:
+        return None
+    empty = weight.new_empty(0, dtype=torch.float32)
+    return ext.causal_conv1d_slots(_rows(x), _f32(weight), empty if bias is None else _f32(bias), state, slots,
+                                   fresh, cu_seqlens, at_rows, checkpoint_slots, silu)
+
+
 def ssd_step(x, dt, A, B, C, D, state, slots) -> torch.Tensor | None:
     """One Mamba2 SSD token per sequence (kernels/mamba2/recurrent.py's rule) with the states
     advanced in place in `state[slots]` (fp32); y [N, H, P] fp32, or None where the kernel

@@ -33,7 +33,7 @@ struct StateRows {
   std::vector<int64_t> seq, ck;
   std::vector<uint8_t> fresh;
   at::Tensor states;  // [C, ...] when the checkpoints' states are returned, else empty
-  float* ck_rows;
+  float* ck_rows = nullptr;  // null for a state that is not fp32
 };
 
 // slots [N], fresh [N] bool and checkpoint_slots [C] (int64; each may be empty) checked against
@@ -70,7 +70,7 @@ inline StateRows state_rows(at::Tensor& state, int64_t N, int64_t C, const at::T
     out.ck.resize(C);
     std::iota(out.ck.begin(), out.ck.end(), 0);
   }
-  out.ck_rows = in_state ? state.data_ptr<float>() : out.states.data_ptr<float>();
+  if (state.scalar_type() == at::kFloat) out.ck_rows = in_state ? state.data_ptr<float>() : out.states.data_ptr<float>();
   std::vector<uint8_t> used(P);
   for (int64_t row : out.seq) {
     TORCH_CHECK(row >= 0 && row < P && !used[row], who, ": slots must be distinct rows of state");

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../state_rows.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -105,6 +106,42 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
     }
   });
   return {y, states};
+}
+
+// causal_conv1d with the conv states in a pool, read and written in place: state [P, D, W-1]
+// (fp32 or bf16, contiguous), sequence n's initial state in row slots[n] (zeros where fresh[n]),
+// its final state written there (rounded to the pool's dtype, as a copy into it rounds), and the
+// state at each row i of at into row checkpoint_slots[i]. Returns y [T, D] in x's dtype.
+at::Tensor causal_conv1d_slots(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                               at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh,
+                               const at::Tensor& cu_seqlens, const at::Tensor& at_rows,
+                               const at::Tensor& checkpoint_slots, bool silu) {
+  TORCH_CHECK(state.is_contiguous() && state.dim() == 3 &&
+                  (state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16),
+              "causal_conv1d_slots: contiguous fp32 or bf16 state [P, D, W-1]");
+  const int64_t D = x.size(1), W = weight.size(1), L = D * (W - 1);
+  const int64_t N = cu_seqlens.numel() - 1, C = at_rows.size(0);
+  TORCH_CHECK(state.size(1) == D && state.size(2) == W - 1, "causal_conv1d_slots: state [P, D, W-1]");
+  TORCH_CHECK(checkpoint_slots.numel() == C, "causal_conv1d_slots: one checkpoint slot per row of at");
+  const StateRows where = state_rows(state, N, C, slots, fresh, checkpoint_slots, "causal_conv1d_slots");
+  auto s0 = at::zeros({N, D, W - 1}, state.options().dtype(at::kFloat));  // the initial states, widened
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, state.scalar_type(), "conv_slots", [&] {
+    const scalar_t* pool = state.data_ptr<scalar_t>();
+    float* dst = s0.data_ptr<float>();
+    for (int64_t n = 0; n < N; ++n)
+      if (!where.fresh[n])
+        for (int64_t i = 0; i < L; ++i) dst[n * L + i] = as_float(pool[where.seq[n] * L + i]);
+  });
+  auto [y, states] = causal_conv1d(x, weight, bias, s0, cu_seqlens, at_rows, silu);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, state.scalar_type(), "conv_slots", [&] {
+    const float* src = states.data_ptr<float>();
+    scalar_t* pool = state.data_ptr<scalar_t>();
+    for (int64_t i = 0; i < N + C; ++i) {
+      scalar_t* row = pool + (i < N ? where.seq[i] : where.ck[i - N]) * L;
+      for (int64_t j = 0; j < L; ++j) row[j] = narrow<scalar_t>(src[i * L + j]);
+    }
+  });
+  return y;
 }
 
 namespace {

@@ -139,6 +139,22 @@ def _compiled(x, weight, bias, conv_state, cu_seqlens, activation, checkpoint_at
     return (y, final) if checkpoint_at is None else (y, final, states[N:].to(state_dtype))
 
 
+def conv_in_place(x, weight, bias, activation, state, slots, fresh, cu_seqlens, checkpoint_at=None,
+                  checkpoint_slots=None):
+    """causal_conv1d with each sequence's conv state a row of a pool, through the compiled kernel:
+    state [P, D, W-1] (fp32 or bf16), sequence n's initial state in row slots[n] (zeros where
+    fresh[n]) advanced there in place to its final state, the state after each position of
+    checkpoint_at written into row checkpoint_slots[i]. Returns y [T, D] in x's dtype, or None where
+    the kernel does not run (nothing is written then)."""
+    check_conv_args(x, weight, bias, activation)
+    cu = seq_bounds(cu_seqlens, x.shape[0], x.device)
+    rows, at = torch.zeros(0, 2, dtype=torch.int64), native.EMPTY
+    if checkpoint_at is not None:
+        where = locate_checkpoints(checkpoint_at, cu)
+        rows, at = torch.stack([where.seq, where.offset], dim=1), checkpoint_slots
+    return native.causal_conv1d_slots(x, weight, bias, state, slots, fresh, cu, rows, at, activation == "silu")
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     weight: torch.Tensor,

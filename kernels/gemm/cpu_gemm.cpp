@@ -162,10 +162,24 @@ void release() {
 }
 
 // C [m, BN] fp32 (rows BN apart) -> out rows (ld) bf16, the first n columns, plus bias (fp32) if given.
-void store(const float* C, int64_t m, int64_t n, const float* bias, uint16_t* out, int64_t ld) {
+// Inlined, and a whole block's row in one conversion with AVX-512 BF16: that was 6-8% of a prefill
+// MoE or projection call as a call per row of 32.
+inline __attribute__((always_inline)) void store(const float* C, int64_t m, int64_t n, const float* bias, uint16_t* out, int64_t ld) {
   for (int64_t r = 0; r < m; ++r) {
     const float* c = C + r * BN;
     uint16_t* o = out + r * ld;
+#if defined(__AVX512BF16__)
+    if (n == BN) {  // vcvtne2ps2bf16 rounds to nearest even as bf16_bits does; it flushes denormals, but
+                    // under FlushDenormals neither the products nor the bias sums are denormal
+      __m512 lo = _mm512_loadu_ps(c), hi = _mm512_loadu_ps(c + 16);
+      if (bias) {
+        lo = _mm512_add_ps(lo, _mm512_loadu_ps(bias));
+        hi = _mm512_add_ps(hi, _mm512_loadu_ps(bias + 16));
+      }
+      _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      continue;
+    }
+#endif
     if (bias) {
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) o[j] = bf16_bits(c[j] + bias[j]);

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import native
+from kernels.conv1d.torch import causal_conv1d, conv_in_place
 from kernels.gdn import chunk_gdn
 from kernels.kda import chunk_kda
 from kernels.kda.chunk import chunk_in_place
@@ -104,6 +105,9 @@ def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight
         lambda r, s0: step(x[r], weight, bias, s0, activation=activation),
         lambda r, st, slots: native.conv_step(x[r], weight, bias, st, slots, silu),
         lambda cp, r, s0, ck: context_parallel.conv_prefill(cp, conv, x[r], weight, bias, activation, s0, ck),
+        (lambda r, st, slots, fresh, cu, ck, ck_slots: conv_in_place(x[r], weight, bias, activation, st, slots,
+                                                                     fresh, cu, ck, ck_slots))
+        if conv is causal_conv1d else None,  # the CPU conv path: its kernel in place
     )
 
 

@@ -342,6 +342,40 @@ def test_conv_kernel_equals_torch_conv(dtype, activation, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_conv_kernel_in_pool_slots_equals_gathered_states(dtype, state_dtype):
+    """conv_in_place on a pool of conv states (sequences in scattered slots, one of them starting
+    from zeros whatever its slot held, checkpoints written into other slots) gives, bit for bit,
+    the outputs, final states and checkpoint states of causal_conv1d on the gathered states (its
+    states rounded to the pool's dtype); the pool's other slots are untouched. Repeated or out of
+    range slots are refused before anything is written."""
+    from kernels.conv1d.torch import causal_conv1d, conv_in_place
+
+    gen = torch.Generator().manual_seed(5)
+    lengths, D, W = [1, 3, 0, 40, 2], 24, 4
+    x = torch.randn(sum(lengths), D + 8, generator=gen).to(dtype)[:, 4 : 4 + D]  # a column range
+    weight, bias = torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    cu, at = torch.tensor([0, *lengths]).cumsum(0), torch.tensor([1, 2, 4, 10, 44, 46])
+    pool = torch.randn(13, D, W - 1, generator=gen).to(state_dtype)
+    slots, fresh, ck_slots = torch.tensor([7, 2, 9, 0, 4]), torch.tensor([False, True, False, False, False]), \
+        torch.tensor([11, 3, 5, 1, 8, 10])
+    init = pool[slots].clone()
+    init[fresh] = 0
+    want_y, want_final, want_states = causal_conv1d(x, weight, bias, init, cu, "silu", at)
+    before = pool.clone()
+    y = conv_in_place(x, weight, bias, "silu", pool, slots, fresh, cu, at, ck_slots)
+    assert torch.equal(y, want_y) and torch.equal(pool[slots], want_final) and torch.equal(pool[ck_slots], want_states)
+    others = [i for i in range(13) if i not in slots.tolist() + ck_slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+    for bad in (torch.tensor([7, 2, 9, 0, 7]), torch.tensor([7, 2, 9, 0, 13])):
+        copy = pool.clone()
+        with pytest.raises(RuntimeError, match="slots"):
+            conv_in_place(x, weight, bias, "silu", copy, bad, fresh, cu, at, ck_slots)
+        assert torch.equal(copy, pool)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_kernels_read_a_column_range_in_place(dtype):
     """Prefill and decode conv kernels given x as a column range of a wider tensor (rows
     further apart than the range is wide: a projection's q/k/v columns) give, bit for bit,
