@@ -126,11 +126,7 @@ def _compiled(x, weight, bias, conv_state, cu_seqlens, activation, checkpoint_at
         raise ValueError(f"conv_state must be [N, D, W-1] = {(N, D, W - 1)}, got {tuple(conv_state.shape)}")
     state = (x.new_zeros(N, D, W - 1, dtype=torch.float32) if conv_state is None
              else conv_state.float().contiguous())
-    rows = torch.zeros(0, 2, dtype=torch.int64)
-    if checkpoint_at is not None:
-        where = locate_checkpoints(checkpoint_at, cu)
-        rows = torch.stack([where.seq, where.offset], dim=1)
-    out = native.causal_conv1d(x, weight, bias, state, cu, rows, activation == "silu")
+    out = native.causal_conv1d(x, weight, bias, state, cu, _checkpoint_rows(checkpoint_at, cu), activation == "silu")
     if out is None:
         return None
     y, states = out
@@ -148,11 +144,18 @@ def conv_in_place(x, weight, bias, activation, state, slots, fresh, cu_seqlens, 
     the kernel does not run (nothing is written then)."""
     check_conv_args(x, weight, bias, activation)
     cu = seq_bounds(cu_seqlens, x.shape[0], x.device)
-    rows, at = torch.zeros(0, 2, dtype=torch.int64), native.EMPTY
-    if checkpoint_at is not None:
-        where = locate_checkpoints(checkpoint_at, cu)
-        rows, at = torch.stack([where.seq, where.offset], dim=1), checkpoint_slots
-    return native.causal_conv1d_slots(x, weight, bias, state, slots, fresh, cu, rows, at, activation == "silu")
+    at = native.EMPTY if checkpoint_at is None else checkpoint_slots
+    return native.causal_conv1d_slots(x, weight, bias, state, slots, fresh, cu, _checkpoint_rows(checkpoint_at, cu),
+                                      at, activation == "silu")
+
+
+def _checkpoint_rows(checkpoint_at, cu: torch.Tensor) -> torch.Tensor:
+    """The compiled kernels' [C, 2] int64 rows (sequence, tokens of it consumed) of checkpoint_at
+    (empty for None)."""
+    if checkpoint_at is None:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    where = locate_checkpoints(checkpoint_at, cu)
+    return torch.stack([where.seq, where.offset], dim=1)
 
 
 def causal_conv1d_update(
