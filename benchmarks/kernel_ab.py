@@ -168,25 +168,27 @@ def linear_case(rows: int, outs: int, ins: int = 256) -> Case:
                         torch.randn(outs, ins, generator=gen).bfloat16()), call, ()
 
 
-def moe_case(rows: int, experts: int = 8, top: int = 2, dim: int = 256, inter: int = 128) -> Case:
+def moe_case(rows: int, experts: int = 8, top: int = 2, dim: int = 256, inter: int = 128,
+             dtype: torch.dtype = torch.bfloat16) -> Case:
     """A MoE layer of the built-in model's shape: `rows` tokens, each to `top` of `experts`, and a
-    shared expert on every token."""
+    shared expert on every token (moe_bf16, or moe_f32 for fp32)."""
     packs: dict[int, tuple] = {}
+    kind = "bf16" if dtype == torch.bfloat16 else "f32"
 
     def inputs(gen):
-        x = torch.randn(rows, dim, generator=gen).bfloat16()
+        x = torch.randn(rows, dim, generator=gen).to(dtype)
         idx = torch.stack([torch.randperm(experts, generator=gen)[:top] for _ in range(rows)])
-        weight = torch.rand(rows, top, generator=gen).bfloat16()
-        gate_up, down = (torch.randn(experts + 1, *shape, generator=gen).bfloat16() * 0.1
+        weight = torch.rand(rows, top, generator=gen).to(dtype)
+        gate_up, down = (torch.randn(experts + 1, *shape, generator=gen).to(dtype) * 0.1
                          for shape in ((2 * inter, dim), (dim, inter)))
         return x, idx, weight, gate_up, down
 
     def call(ext, x, idx, weight, gate_up, down):
+        pack, run = getattr(ext, f"pack_experts_{kind}"), getattr(ext, f"moe_{kind}")
         if id(ext) not in packs:  # once per module, as the engine packs the experts once
-            packs[id(ext)] = (*ext.pack_experts_bf16(gate_up[:-1], down[:-1]),
-                              *ext.pack_experts_bf16(gate_up[-1:], down[-1:]))
+            packs[id(ext)] = (*pack(gate_up[:-1], down[:-1]), *pack(gate_up[-1:], down[-1:]))
         gu, dn, sgu, sdn = packs[id(ext)]
-        return ext.moe_bf16(x, idx, weight, gu, dn, "silu", sgu, sdn, EMPTY)
+        return run(x, idx, weight, gu, dn, "silu", sgu, sdn, EMPTY)
 
     return inputs, call, ()
 
@@ -221,6 +223,8 @@ CASES: dict[str, Case] = {
     "linear 6000 x 256 -> 776": linear_case(6000, 776),
     "moe 64 tokens, 8 experts top-2 + shared": moe_case(64),
     "moe 4096 tokens, 8 experts top-2 + shared": moe_case(4096),
+    "moe fp32 64 tokens, 8 experts top-2 + shared": moe_case(64, dtype=torch.float32),
+    "moe fp32 4096 tokens, 8 experts top-2 + shared": moe_case(4096, dtype=torch.float32),
     "add_rms_norm 64 x 256": norm_case(64),
 }
 

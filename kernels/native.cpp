@@ -134,9 +134,13 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
 at::Tensor pack_heads_bf16(const at::Tensor& w);
 void heads_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor> pack_experts_bf16(const at::Tensor& gate_up, const at::Tensor& down);
+std::tuple<at::Tensor, at::Tensor> pack_experts_f32(const at::Tensor& gate_up, const at::Tensor& down);
 at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
                     const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
                     const at::Tensor& shared_dn, const at::Tensor& scale);
+at::Tensor moe_f32(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
+                   const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
+                   const at::Tensor& shared_dn, const at::Tensor& scale);
 
 // A decode step's layer bodies in one call each: the kernels a layer runs on its decode rows, in the
 // order and with the arguments its Python path gives them (the same bits), without the Python
@@ -253,6 +257,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("heads_bf16", &heads_bf16, nogil, "x[:, h] @ w[h]^T per head into a bf16 view (kernels/gemm/cpu_gemm.cpp)");
   m.def("pack_experts_bf16", &pack_experts_bf16, nogil, "stacked expert weights packed for moe_bf16 (kernels/gemm/cpu_gemm.cpp)");
   m.def("moe_bf16", &moe_bf16, nogil, "gated experts of each token, weighted and summed (kernels/gemm/cpu_gemm.cpp)");
+  m.def("pack_experts_f32", &pack_experts_f32, nogil, "stacked fp32 expert weights packed for moe_f32 (kernels/gemm/cpu_gemm.cpp)");
+  m.def("moe_f32", &moe_f32, nogil, "moe_bf16 in fp32 (kernels/gemm/cpu_gemm.cpp)");
   m.def("matmul_fast", &matmul_fast, "the kernels' matmuls through small_mm and torch's BLAS (true) or plain loops");
   m.def("delta_decode", &delta_decode, nogil, "a KDA / GDN layer's decode rows: conv, inputs, step, gated norm");
   m.def("attention_decode", &attention_decode, nogil, "a GQA layer's decode rows: norms and RoPE, KV write, attention, gate");

@@ -548,21 +548,38 @@ def _heads_packed(ext, weight, key, tag: str) -> torch.Tensor:
                    HEAD_PACKS.setdefault(tag, {}))
 
 
-def moe_bf16(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:
-    """models/layers/mlp.py's run_experts for gated experts without biases in bf16 on CPU (x [T, D],
-    idx and weight [T, k], the experts' stacks gate_up [E, 2I, D] and down [E, D, I]), with the
-    torch path's roundings; with shared = (gate_up [2I', D], down [D, I']) a shared expert every
-    token runs, its output times scale [T, 1] (or 1) added in the same pass; None where the kernel
+def moe_runs(x: torch.Tensor) -> bool:
+    """Whether moe() can run for x's dtype and device on this CPU (callers stack the experts'
+    weights for it only then)."""
+    if x.device.type != "cpu" or torch.is_grad_enabled() and x.requires_grad:
+        return False
+    if x.dtype == torch.bfloat16:
+        return _bf16_gemm() is not None
+    ext = extension() if x.dtype == torch.float32 else None
+    return ext is not None and _f32_gemm_supported(ext)
+
+
+def moe(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:
+    """models/layers/mlp.py's run_experts for gated experts without biases on CPU (x [T, D], idx
+    and weight [T, k], the experts' stacks gate_up [E, 2I, D] and down [E, D, I]) in one call: bf16
+    with the torch path's roundings (moe_bf16), fp32 within fp32 rounding of it (moe_f32, where
+    linear_f32 runs); with shared = (gate_up [2I', D], down [D, I']) a shared expert every token
+    runs, its output times scale [T, 1] (or 1) added in the same pass; None where the kernel
     cannot run."""
-    ok = x.device.type == "cpu" and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and act == "silu"
-    ok = ok and (shared is None or (all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 for t in shared)
-                                    and shared[1].shape[1] % 2 == 0))
-    ok = ok and (scale is None or (scale.dtype == torch.bfloat16 and scale.numel() == x.shape[0]))
-    ext = _bf16_gemm() if ok and x.shape[1] % 2 == 0 and down.shape[2] % 2 == 0 else None
+    dt = x.dtype
+    ok = x.device.type == "cpu" and dt == gate_up.dtype == down.dtype and act == "silu"
+    ok = ok and (shared is None or all(t.dtype == dt and t.stride(-1) == 1 for t in shared))
+    ok = ok and (scale is None or (scale.dtype == dt and scale.numel() == x.shape[0]))
+    if dt == torch.bfloat16:  # VNNI pairs: even D and I
+        pairs = [x.shape[1], down.shape[2], *(() if shared is None else (shared[1].shape[1],))]
+        ext, kind = (_bf16_gemm() if ok and all(n % 2 == 0 for n in pairs) else None), "bf16"
+    else:
+        ext, kind = (extension() if ok and dt == torch.float32 else None), "f32"
+        ext = ext if ext is not None and _f32_gemm_supported(ext) else None
     if ext is None:
         return None
-    gu, dn = _packed(gate_up, lambda: ext.pack_experts_bf16(gate_up, down), also=(down,))
+    pack, run = getattr(ext, f"pack_experts_{kind}"), getattr(ext, f"moe_{kind}")
+    gu, dn = _packed(gate_up, lambda: pack(gate_up, down), also=(down,))
     sgu, sdn = (EMPTY, EMPTY) if shared is None else \
-        _packed(shared[0], lambda: ext.pack_experts_bf16(shared[0][None], shared[1][None]), also=(shared[1],))
-    return ext.moe_bf16(x.contiguous(), idx, weight.to(x.dtype), gu, dn, act, sgu, sdn,
-                        EMPTY if scale is None else _dense(scale))
+        _packed(shared[0], lambda: pack(shared[0][None], shared[1][None]), also=(shared[1],))
+    return run(x.contiguous(), idx, weight.to(dt), gu, dn, act, sgu, sdn, EMPTY if scale is None else _dense(scale))

@@ -57,6 +57,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -90,6 +91,13 @@ void pack_into(const BFloat16* w, int64_t ldw, int64_t N, int64_t K, BFloat16* o
   }
 }
 
+// The fp32 twin: plain row-major blocks [NB, K, BN] for the fp32 micro-kernel, zero past N.
+void pack_into(const float* w, int64_t ldw, int64_t N, int64_t K, float* out) {
+  for (int64_t b = 0; b < (N + BN - 1) / BN; ++b)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < BN; ++n) out[(b * K + k) * BN + n] = b * BN + n < N ? w[(b * BN + n) * ldw + k] : 0.f;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // R rows of a [R, K] fp32 (rows K apart) times b [K, BN] fp32 -> c [R, BN] (rows BN apart): per
 // 16 columns, R x 2 accumulators, each output summed over k in order.
@@ -115,15 +123,16 @@ void fma_rows(const float* a, int64_t K, const float* b, float* c) {
 #endif
 
 // The micro-kernel call of the drivers below: C [m, BN] fp32 = A [m, K] bf16 (rows lda apart)
-// times packed block B [K, BN], m <= BM. Without oneDNN's: dot_rows eight rows at a time, or
-// (AVX2) both widened to fp32 in this thread's buffers, then six rows at a time.
-void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, float* C) {
+// times packed block B [K, BN], m <= BM; `live`: the block's columns that are outputs (the rest
+// pad it). Without oneDNN's: dot_rows eight rows at a time (only the first 16 columns where no
+// more are live), or (AVX2) both widened to fp32 in this thread's buffers, then six rows at a time.
+void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, float* C, int64_t live = BN) {
   if (onednn_bf16()) {
     cpublas::brgemm(m, BN, K, lda, BN, BN, false, A, B, C);
     return;
   }
 #if defined(__AVX512BF16__)
-  dot_mm(m, BN, K, A, lda, B, 2 * BN, C, BN, false);
+  dot_mm(m, live > BN / 2 ? BN : BN / 2, K, A, lda, B, 2 * BN, C, BN, false);
 #elif defined(__AVX2__) && defined(__FMA__)
   thread_local std::vector<float> a, b;
   a.resize(m * K);
@@ -146,9 +155,9 @@ void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16*
 #endif
 }
 
-// fp32: C [m, BN] = A [m, K] fp32 (rows lda apart) times plain block B [K, BN], m <= BM (only
+// fp32: C [m, BN] = A [m, K] fp32 (rows lda apart) times plain block B [K, BN], m <= BM, every column (only
 // where gemm_f32_supported()).
-void micro(int64_t m, int64_t K, const float* A, int64_t lda, const float* B, float* C) {
+void micro(int64_t m, int64_t K, const float* A, int64_t lda, const float* B, float* C, int64_t = BN) {
 #if defined(__AVX512BF16__)
   small_mm(false, false, m, BN, K, 1.f, A, lda, B, BN, 0.f, C, BN);  // each output summed over k in order
 #else
@@ -213,7 +222,7 @@ void row_block(const T* A, int64_t lda, int64_t m, int64_t K, const T* W, int64_
   for (int64_t g = 0; g < NB; g += GB) {
     const int64_t nb = std::min(GB, NB - g);
     for (int64_t b = 0; b < nb; ++b)
-      micro(m, K, A, lda, W + (g + b) * K * BN, C + b * BM * BN);
+      micro(m, K, A, lda, W + (g + b) * K * BN, C + b * BM * BN, N - (g + b) * BN);
     for (int64_t r = 0; r < m; ++r) {
       auto* o = out_row(r) + g * BN;
       for (int64_t b = 0; b < nb; ++b) {
@@ -275,7 +284,7 @@ static void matmul_rows(const E* X, int64_t T, int64_t H, int64_t K, int64_t xr,
     alignas(64) float C[BM * BN];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / (MB * NB), m0 = i / NB % MB * BM, nb = i % NB, n0 = nb * BN, m = std::min(BM, T - m0);
-      micro(m, K, X + m0 * xr + h * xh, xr, W + (h * NB + nb) * K * BN, C);
+      micro(m, K, X + m0 * xr + h * xh, xr, W + (h * NB + nb) * K * BN, C, N - n0);
       store(C, m, std::min(BN, N - n0), bias ? bias + n0 : nullptr, O + m0 * orow + h * oh + n0, orow);
     }
     release();
@@ -311,12 +320,9 @@ bool gemm_f32_supported() {
 // w [N, K] fp32 -> packed [ceil(N / BN), K, BN] fp32, plain blocks (column n of block b is row b * BN + n).
 at::Tensor pack_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.stride(1) == 1, "pack_f32: fp32 w [N, K]");
-  const int64_t N = w.size(0), K = w.size(1), NB = (N + BN - 1) / BN;
-  auto out = at::zeros({NB, K, BN}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t k = 0; k < K; ++k) dst[(n / BN * K + k) * BN + n % BN] = src[n * w.stride(0) + k];
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = at::empty({(N + BN - 1) / BN, K, BN}, w.options());
+  pack_into(w.data_ptr<float>(), w.stride(0), N, K, out.data_ptr<float>());
   return out;
 }
 
@@ -364,75 +370,139 @@ void heads_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Te
               reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>()), out.stride(0), out.stride(1));
 }
 
-// gate_up [E, 2 * I, D] bf16 (gate rows, then up rows, per expert; rows may be strided) ->
-// packed [E, 2, NI, D, BN] (gate blocks, then up blocks); down [E, D, I] -> [E, ND, I, BN].
-std::tuple<at::Tensor, at::Tensor> pack_experts_bf16(const at::Tensor& gate_up, const at::Tensor& down) {
-  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.scalar_type() == at::kBFloat16 &&
-                  down.scalar_type() == at::kBFloat16 && gate_up.stride(2) == 1 && down.stride(2) == 1,
-              "pack_experts_bf16: bf16 gate_up [E, 2I, D], down [E, D, I]");
+// gate_up [E, 2 * I, D] (gate rows, then up rows, per expert; rows may be strided) -> packed
+// [E, 2, NI, D, BN] (gate blocks, then up blocks); down [E, D, I] -> [E, ND, I, BN]. bf16 blocks
+// as pack_bf16 packs them (even D and I), fp32 ones as pack_f32.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> pack_experts(const at::Tensor& gate_up, const at::Tensor& down, const char* name) {
+  const auto dtype = c10::CppTypeToScalarType<T>::value;
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.scalar_type() == dtype && down.scalar_type() == dtype &&
+                  gate_up.stride(2) == 1 && down.stride(2) == 1,
+              name, ": gate_up [E, 2I, D] and down [E, D, I] in ", dtype);
   const int64_t E = gate_up.size(0), I = gate_up.size(1) / 2, D = gate_up.size(2);
-  TORCH_CHECK(down.size(0) == E && down.size(1) == D && down.size(2) == I && D % 2 == 0 && I % 2 == 0,
-              "pack_experts_bf16: shapes (even D and I)");
+  const bool pairs = std::is_same_v<T, BFloat16>;  // VNNI pairs of k
+  TORCH_CHECK(down.size(0) == E && down.size(1) == D && down.size(2) == I && (!pairs || (D % 2 == 0 && I % 2 == 0)),
+              name, ": shapes", pairs ? " (even D and I)" : "");
   const int64_t NI = (I + BN - 1) / BN, ND = (D + BN - 1) / BN;
   auto gu = at::empty({E, 2, NI, D, BN}, gate_up.options());
   auto dn = at::empty({E, ND, I, BN}, down.options());
   for (int64_t e = 0; e < E; ++e) {
-    const BFloat16* g = gate_up[e].data_ptr<BFloat16>();
+    const T* g = gate_up[e].data_ptr<T>();
     const int64_t ld = gate_up.stride(1);
-    pack_into(g, ld, I, D, gu[e][0].data_ptr<BFloat16>());
-    pack_into(g + I * ld, ld, I, D, gu[e][1].data_ptr<BFloat16>());
-    pack_into(down[e].data_ptr<BFloat16>(), down.stride(1), D, I, dn[e].data_ptr<BFloat16>());
+    pack_into(g, ld, I, D, gu[e][0].data_ptr<T>());
+    pack_into(g + I * ld, ld, I, D, gu[e][1].data_ptr<T>());
+    pack_into(down[e].data_ptr<T>(), down.stride(1), D, I, dn[e].data_ptr<T>());
   }
   return {gu, dn};
 }
 
-// x [T, D] bf16 contiguous; idx [T, k] int64 experts; weight [T, k] bf16; gate_up, down packed by
-// pack_experts_bf16; act "silu"; shared_gu, shared_dn: a shared expert every token runs (packed
-// by pack_experts_bf16 as one expert; empty: none), scale [T] bf16 its gate (empty: 1). Returns
-// [T, D] bf16.
-at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
-                    const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
-                    const at::Tensor& shared_dn, const at::Tensor& scale) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "moe_bf16: contiguous bf16 x [T, D]");
-  TORCH_CHECK(act == "silu", "moe_bf16: act must be silu");
-  const int64_t T = x.size(0), D = x.size(1), k = idx.size(1), E = gate_up.size(0);
+std::tuple<at::Tensor, at::Tensor> pack_experts_bf16(const at::Tensor& gate_up, const at::Tensor& down) {
+  return pack_experts<BFloat16>(gate_up, down, "pack_experts_bf16");
+}
+
+std::tuple<at::Tensor, at::Tensor> pack_experts_f32(const at::Tensor& gate_up, const at::Tensor& down) {
+  return pack_experts<float>(gate_up, down, "pack_experts_f32");
+}
+
+namespace {
+
+// The pieces of moe() that differ by dtype. bf16: outputs held as bf16 bits (uint16_t), each step
+// rounded as torch's bf16 ops round it; fp32: outputs as floats, no roundings between the steps.
+inline float value(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
+inline float value(float f) { return f; }
+inline uint16_t* out_rows(at::Tensor& t, BFloat16) { return reinterpret_cast<uint16_t*>(t.data_ptr<BFloat16>()); }
+inline float* out_rows(at::Tensor& t, float) { return t.data_ptr<float>(); }
+
+// one row of BN: h = silu(gate) * up, for bf16 each step rounded (gate, up, silu, product)
+inline void gated(const float* G, const float* U, BFloat16* out) {
+  auto* h = reinterpret_cast<uint16_t*>(out);
+#pragma omp simd
+  for (int64_t j = 0; j < BN; ++j) {
+    const float g = round_bf16(G[j]);
+    h[j] = bf16_bits(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(U[j]));
+  }
+}
+inline void gated(const float* G, const float* U, float* h) {
+#pragma omp simd
+  for (int64_t j = 0; j < BN; ++j) h[j] = G[j] / (1.f + std::exp(-G[j])) * U[j];
+}
+
+// a token's output from its choices' rows (weights wc in order) and, where there is one, its
+// shared expert's row times st: bf16 as moe_combine and torch's mul and add round; fp32 plain
+template <typename O>
+void combine_row(const O* Y, const float* wc, int64_t k, const O* shared, float st, int64_t D, float* acc, O* out) {
+  std::fill(acc, acc + D, 0.f);
+  constexpr bool bf16 = std::is_same_v<O, uint16_t>;
+  for (int64_t c = 0; c < k; ++c) {
+    const O* row = Y + c * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      const float p = value(row[d]) * wc[c];
+      acc[d] += bf16 ? round_bf16(p) : p;
+    }
+  }
+  if constexpr (bf16) {
+    if (shared) {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] = bf16_bits(round_bf16(acc[d]) + round_bf16(st * value(shared[d])));
+    } else {
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) out[d] = bf16_bits(acc[d]);
+    }
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] = shared ? acc[d] + st * shared[d] : acc[d];
+  }
+}
+
+// moe_bf16 and moe_f32 (E: their dtype; their comment below): each (token, choice) row to its
+// expert, a work item (expert, block of up to BM of its rows) at a time, then the combine.
+template <typename E>
+at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
+               const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
+               const at::Tensor& shared_dn, const at::Tensor& scale, const char* name) {
+  const auto dtype = c10::CppTypeToScalarType<E>::value;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.is_contiguous(), name, ": contiguous x [T, D] in ", dtype);
+  TORCH_CHECK(act == "silu", name, ": act must be silu");
+  const int64_t T = x.size(0), D = x.size(1), k = idx.size(1), E_ = gate_up.size(0);
   const int64_t ND = down.size(1);
-  TORCH_CHECK(idx.size(0) == T && weight.sizes() == idx.sizes() && weight.scalar_type() == at::kBFloat16,
-              "moe_bf16: idx, weight [T, k]");
-  TORCH_CHECK(gate_up.size(3) == D && ND * BN >= D && down.size(0) == E, "moe_bf16: packed experts");
+  TORCH_CHECK(idx.size(0) == T && weight.sizes() == idx.sizes() && weight.scalar_type() == dtype,
+              name, ": idx, weight [T, k]");
+  TORCH_CHECK(gate_up.scalar_type() == dtype && gate_up.size(3) == D && ND * BN >= D && down.size(0) == E_,
+              name, ": packed experts");
   const bool shared = shared_gu.numel() > 0;
   TORCH_CHECK(!shared || (shared_gu.size(0) == 1 && shared_gu.size(3) == D && shared_dn.size(0) == 1 &&
-                          shared_dn.size(1) == ND), "moe_bf16: packed shared expert");
-  TORCH_CHECK(!scale.numel() || (shared && scale.numel() == T && scale.scalar_type() == at::kBFloat16 &&
-                                 scale.is_contiguous()), "moe_bf16: scale [T] bf16, contiguous, with a shared expert");
+                          shared_dn.size(1) == ND), name, ": packed shared expert");
+  TORCH_CHECK(!scale.numel() || (shared && scale.numel() == T && scale.scalar_type() == dtype && scale.is_contiguous()),
+              name, ": scale [T], contiguous, in x's dtype, with a shared expert");
   auto id = idx.to(at::kLong).contiguous();
-  auto w = weight.contiguous();
+  auto w = weight.to(at::kFloat).contiguous();
   const int64_t* ip = id.data_ptr<int64_t>();
   // rows of each expert in (token, choice) order; a work item is (expert, block of BM of its rows),
-  // expert E the shared one (its rows the tokens)
-  std::vector<int64_t> start(E + 1, 0), rows(T * k);
+  // expert E_ the shared one (its rows the tokens)
+  std::vector<int64_t> start(E_ + 1, 0), rows(T * k);
   for (int64_t f = 0; f < T * k; ++f) {
-    TORCH_CHECK(ip[f] >= 0 && ip[f] < E, "moe_bf16: expert id out of range");
+    TORCH_CHECK(ip[f] >= 0 && ip[f] < E_, name, ": expert id out of range");
     ++start[ip[f] + 1];
   }
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  for (int64_t e = 0; e < E_; ++e) start[e + 1] += start[e];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t f = 0; f < T * k; ++f) rows[fill[ip[f]]++] = f;
-  std::vector<std::array<int64_t, 3>> items;  // (expert, first row in `rows` or token for E, rows)
+  std::vector<std::array<int64_t, 3>> items;  // (expert, first row in `rows` or token for E_, rows)
   if (shared) {  // first: the shared expert's items are the largest, and threads take items in order
     // with fewer than BM tokens a thread (decode), the shared rows are split between the threads:
     // as one item, one thread ran the shared expert while the other ran every routed one
     const int64_t threads = at::get_num_threads(), sb = T >= BM * threads ? BM : (T + threads - 1) / threads;
-    for (int64_t r = 0; r < T; r += sb) items.push_back({E, r, std::min(sb, T - r)});
+    for (int64_t r = 0; r < T; r += sb) items.push_back({E_, r, std::min(sb, T - r)});
   }
-  for (int64_t e = 0; e < E; ++e)
+  for (int64_t e = 0; e < E_; ++e)
     for (int64_t r = start[e]; r < start[e + 1]; r += BM) items.push_back({e, r, std::min(BM, start[e + 1] - r)});
 
   auto y = at::empty({T * k, D}, x.options());  // expert output of each (token, choice)
   auto sy = shared ? at::empty({T, D}, x.options()) : at::Tensor();  // the shared expert's, per token
-  const BFloat16* X = x.data_ptr<BFloat16>();
-  auto* Y = reinterpret_cast<uint16_t*>(y.data_ptr<BFloat16>());
-  auto* S = shared ? reinterpret_cast<uint16_t*>(sy.data_ptr<BFloat16>()) : nullptr;
+  const E* X = x.data_ptr<E>();
+  auto* Y = out_rows(y, E());
+  auto* S = shared ? out_rows(sy, E()) : nullptr;
   const int64_t IP = std::max(gate_up.size(2), shared ? shared_gu.size(2) : 0) * BN;  // widest I, whole blocks
   // items differ in cost (rows, expert widths): each thread takes the next one not taken
   std::atomic<int64_t> next{0};
@@ -441,7 +511,7 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
     FlushDenormals flush;
     // this thread's buffers, kept from call to call (a decode step's call is ~0.2 ms: filling
     // fresh ones with zeros each time was a few percent of it)
-    thread_local std::vector<BFloat16> A, H;
+    thread_local std::vector<E> A, H;
     thread_local std::vector<float> C;
     A.resize(BM * D);
     H.resize(BM * IP);
@@ -449,61 +519,59 @@ at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor
     alignas(64) float G[BM * BN], U[BM * BN];
     for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
       const auto [e, r0, m] = items[it];
-      const bool own = e == E;  // the shared expert: x's rows in place, its own outputs
+      const bool own = e == E_;  // the shared expert: x's rows in place, its own outputs
       const at::Tensor& gu = own ? shared_gu : gate_up;
       const at::Tensor& dn = own ? shared_dn : down;
       const int64_t NI = gu.size(2), I = dn.size(2), ld = NI * BN;
-      const BFloat16* a = X + r0 * D;
+      const E* a = X + r0 * D;
       if (!own) {
-        for (int64_t r = 0; r < m; ++r) std::memcpy(&A[r * D], X + rows[r0 + r] / k * D, D * sizeof(BFloat16));
+        for (int64_t r = 0; r < m; ++r) std::memcpy(&A[r * D], X + rows[r0 + r] / k * D, D * sizeof(E));
         a = A.data();
       }
-      const BFloat16* gate = gu.data_ptr<BFloat16>() + (own ? 0 : e) * 2 * NI * D * BN;
-      for (int64_t b = 0; b < NI; ++b) {  // h = act(gate) * up, each step rounded as torch rounds it
+      const E* gate = gu.data_ptr<E>() + (own ? 0 : e) * 2 * NI * D * BN;
+      for (int64_t b = 0; b < NI; ++b) {  // h = act(gate) * up
         micro(m, D, a, D, gate + b * D * BN, G);
         micro(m, D, a, D, gate + (NI + b) * D * BN, U);
-        for (int64_t r = 0; r < m; ++r) {
-          auto* h = reinterpret_cast<uint16_t*>(&H[r * ld + b * BN]);
-#pragma omp simd
-          for (int64_t j = 0; j < BN; ++j) {
-            const float g = round_bf16(G[r * BN + j]);
-            h[j] = bf16_bits(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(U[r * BN + j]));
-          }
-        }
+        for (int64_t r = 0; r < m; ++r) gated(G + r * BN, U + r * BN, &H[r * ld + b * BN]);
       }
-      row_block(H.data(), ld, m, I, dn.data_ptr<BFloat16>() + (own ? 0 : e) * ND * I * BN, ND, D, nullptr, C.data(),
+      row_block(H.data(), ld, m, I, dn.data_ptr<E>() + (own ? 0 : e) * ND * I * BN, ND, D, nullptr, C.data(),
                 [&](int64_t r) { return own ? S + (r0 + r) * D : Y + rows[r0 + r] * D; });
     }
     release();
   });
-  // each token's choices: the product rounded, then summed in order (moe_combine's roundings);
-  // with a shared expert, the sum rounded plus scale * its output rounded (torch's bf16 mul and add)
   auto out = at::empty({T, D}, x.options());
-  const BFloat16* wp = w.data_ptr<BFloat16>();
-  const BFloat16* sp = scale.numel() ? scale.data_ptr<BFloat16>() : nullptr;
-  auto* O = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
+  const float* wp = w.data_ptr<float>();
+  const E* sp = scale.numel() ? scale.data_ptr<E>() : nullptr;
+  auto* O = out_rows(out, E());
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
-    for (int64_t t = begin; t < end; ++t) {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = 0; c < k; ++c) {
-        const uint16_t* row = Y + (t * k + c) * D;
-        const float wc = as_float(wp[t * k + c]);
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d)
-          acc[d] += round_bf16(std::bit_cast<float>(static_cast<uint32_t>(row[d]) << 16) * wc);
-      }
-      if (shared) {
-        const float st = sp ? as_float(sp[t]) : 1.f;
-        const uint16_t* e = S + t * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d)
-          O[t * D + d] = bf16_bits(round_bf16(acc[d]) + round_bf16(st * std::bit_cast<float>(static_cast<uint32_t>(e[d]) << 16)));
-      } else {
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) O[t * D + d] = bf16_bits(acc[d]);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      combine_row(Y + t * k * D, wp + t * k, k, shared ? S + t * D : nullptr, sp ? as_float(sp[t]) : 1.f, D,
+                  acc.data(), O + t * D);
   });
   return out;
+}
+
+}  // namespace
+
+// x [T, D] bf16 contiguous; idx [T, k] int64 experts; weight [T, k] bf16; gate_up, down packed by
+// pack_experts_bf16; act "silu"; shared_gu, shared_dn: a shared expert every token runs (packed
+// by pack_experts_bf16 as one expert; empty: none), scale [T] bf16 its gate (empty: 1). Returns
+// [T, D] bf16. Per block of one expert's rows: gate and up (each rounded to bf16), act(gate)
+// rounded, times up rounded, then down rounded; each token's choices weighted and summed as
+// moe_combine does; the shared expert's output times scale added as torch's bf16 mul and add.
+at::Tensor moe_bf16(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
+                    const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
+                    const at::Tensor& shared_dn, const at::Tensor& scale) {
+  return moe<BFloat16>(x, idx, weight, gate_up, down, act, shared_gu, shared_dn, scale, "moe_bf16");
+}
+
+// The same in fp32 (packed by pack_experts_f32; weight and scale fp32), on the CPUs where
+// linear_f32 runs: every product an fp32 sum over its inputs in order (not MKL's order: within
+// fp32 rounding of the torch path), nothing rounded between the steps.
+at::Tensor moe_f32(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
+                   const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
+                   const at::Tensor& shared_dn, const at::Tensor& scale) {
+  TORCH_CHECK(gemm_f32_supported(), "moe_f32: not built for this CPU");
+  return moe<float>(x, idx, weight, gate_up, down, act, shared_gu, shared_dn, scale, "moe_f32");
 }

@@ -36,45 +36,48 @@ namespace {
 constexpr int64_t DOT_COLS = 32;  // columns a call
 constexpr int DOT_ROWS = 8;       // rows a call: 16 accumulators
 
-// R rows of A [R, K] bf16 (rows lda apart, K even) times 32 columns of B -> c [R, 32] fp32 (rows
-// ldc apart), stored, or added to what c holds (add): per pair of k, each row's two values
-// broadcast against the 2 x 16 columns.
-template <int R>
+// R rows of A [R, K] bf16 (rows lda apart, K even) times 16 H columns of B (H = 2: 32; H = 1:
+// the first 16 of a 32-column block) -> c [R, 16 H] fp32 (rows ldc apart), stored, or added to
+// what c holds (add): per pair of k, each row's two values broadcast against the H x 16 columns.
+// A column's sum is the same instructions in the same order whether H is 1 or 2.
+template <int R, int H = 2>
 void dot_rows(const c10::BFloat16* a, int64_t lda, int64_t K, const c10::BFloat16* b, int64_t ldb, float* c,
               int64_t ldc, bool add) {
-  __m512 acc[R][2];
+  __m512 acc[R][H];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) acc[r][h] = add ? _mm512_loadu_ps(c + r * ldc + 16 * h) : _mm512_setzero_ps();
+    for (int h = 0; h < H; ++h) acc[r][h] = add ? _mm512_loadu_ps(c + r * ldc + 16 * h) : _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
     const c10::BFloat16* pair = b + k / 2 * ldb;
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(pair), b1 = (__m512bh)_mm512_loadu_si512(pair + DOT_COLS);
+    __m512bh bh[H];
+    for (int h = 0; h < H; ++h) bh[h] = (__m512bh)_mm512_loadu_si512(pair + h * DOT_COLS);
     for (int r = 0; r < R; ++r) {
       int32_t two;
       std::memcpy(&two, a + r * lda + k, sizeof(two));
       const __m512bh x = (__m512bh)_mm512_set1_epi32(two);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);
+      for (int h = 0; h < H; ++h) acc[r][h] = _mm512_dpbf16_ps(acc[r][h], x, bh[h]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) _mm512_storeu_ps(c + r * ldc + 16 * h, acc[r][h]);
 }
 
-template <int... R>
+template <int H, int... R>
 constexpr auto dot_kernels(std::integer_sequence<int, R...>) {
-  return std::array{dot_rows<R + 1>...};
+  return std::array{dot_rows<R + 1, H>...};
 }
-constexpr auto DOT = dot_kernels(std::make_integer_sequence<int, DOT_ROWS>{});  // DOT[r - 1]: r rows
+constexpr auto DOT = dot_kernels<2>(std::make_integer_sequence<int, DOT_ROWS>{});    // DOT[r - 1]: r rows
+constexpr auto DOT16 = dot_kernels<1>(std::make_integer_sequence<int, DOT_ROWS>{});  // the same, 16 columns
 
 // C [m, n] fp32 (rows ldc apart) = (add: C +) A [m, K] bf16 (rows lda apart) times B [K, n] in
-// VNNI pairs (ldb apart), n a multiple of 32: eight rows by 32 columns a call.
+// VNNI pairs (ldb apart), n a multiple of 16: eight rows by 32 columns a call, a last 16 by 16
+// (a router's few outputs in one 32-column block: half the products).
 inline void dot_mm(int64_t m, int64_t n, int64_t K, const c10::BFloat16* A, int64_t lda, const c10::BFloat16* B,
                    int64_t ldb, float* C, int64_t ldc, bool add) {
-  for (int64_t r = 0; r < m; r += DOT_ROWS)
+  for (int64_t r = 0; r < m; r += DOT_ROWS) {
+    const int64_t rows = std::min<int64_t>(DOT_ROWS, m - r) - 1;
     for (int64_t j = 0; j < n; j += DOT_COLS)
-      DOT[std::min<int64_t>(DOT_ROWS, m - r) - 1](A + r * lda, lda, K, B + 2 * j, ldb, C + r * ldc + j, ldc, add);
+      (n - j >= DOT_COLS ? DOT : DOT16)[rows](A + r * lda, lda, K, B + 2 * j, ldb, C + r * ldc + j, ldc, add);
+  }
 }
 
 }  // namespace

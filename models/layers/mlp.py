@@ -109,15 +109,16 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     projection; otherwise the rows are sorted by expert and each chosen expert runs once on its contiguous
     block. The outputs are read back in (token, choice) order and summed over the choices (no
     scatter-add). On CPU the compiled routing of kernels/native.py does the padded path's
-    copies in one pass each, with the same results; in bf16 on CPUs with the packed
-    micro-kernels, gated silu experts without biases run as one compiled call instead (each
-    expert on its own rows, no padding), the shared expert with them, with the same roundings.
+    copies in one pass each, with the same results; on CPUs with the packed micro-kernels,
+    gated silu experts without biases run as one compiled call instead (each expert on its own
+    rows, no padding), the shared expert with them: in bf16 with the same roundings, in fp32
+    within fp32 rounding (its matmuls sum in their own order).
     """
-    if x.dtype == torch.bfloat16 and hasattr(experts[0], "parts"):
+    if hasattr(experts[0], "parts") and native.moe_runs(x):
         w = stack_experts(experts)
         own = None if shared is None else _shared_weights(shared)
         if w.gate_up is not None and w.act is ACTS["silu"] and (shared is None or own is not None):
-            out = native.moe_bf16(x, idx, weight, w.gate_up, w.down, "silu", own, scale)
+            out = native.moe(x, idx, weight, w.gate_up, w.down, "silu", own, scale)
             if out is not None:
                 return out
     out = _run_experts(x, experts, idx, weight)

@@ -44,6 +44,19 @@ def test_linear_is_each_dot_product_rounded_once(rows):
 
 
 @needs_bf16_gemm
+@pytest.mark.parametrize("rows", [1, 64, 700])
+@pytest.mark.parametrize("outs", [4, 9, 16, 17, 40])
+def test_linear_outputs_do_not_depend_on_the_columns_beside_them(rows, outs):
+    """A block with at most 16 outputs runs half the micro-kernel's columns (a router's few
+    outputs): each output is the same bits as when its block is full of other outputs (the
+    same weight rows first in a wider projection, as a fused projection holds them)."""
+    gen = torch.Generator().manual_seed(rows + outs)
+    wide = torch.randn(outs + 64, 96, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    assert torch.equal(native.linear_bf16(x, wide[:outs]), native.linear_bf16(x, wide)[:, :outs])
+
+
+@needs_bf16_gemm
 @pytest.mark.parametrize("width", [96, 50])  # K a multiple of the micro-kernel's 32-wide steps, or not
 def test_linear_rows_do_not_depend_on_the_batch(width):
     """A row's outputs are the same bits whatever rows share its call (one row alone, a partial
@@ -201,7 +214,7 @@ def test_moe_equals_the_torch_path(monkeypatch, tokens):
     experts, x, idx, w = experts_and_routing(tokens)
     with torch.no_grad():
         got = run_experts(x, experts, idx, w)
-        monkeypatch.setattr(mlp.native, "moe_bf16", lambda *a: None)
+        monkeypatch.setattr(mlp.native, "moe", lambda *a: None)
         want = run_experts(x, experts, idx, w)
     same = (got == want).float().mean().item()
     assert same > 0.99, same
@@ -225,7 +238,7 @@ def test_moe_runs_a_shared_expert_in_the_same_call(monkeypatch, tokens, gated):
         alone = run_experts(x, nn.ModuleList([shared]), torch.zeros(tokens, 1, dtype=torch.long),
                             torch.ones(tokens, 1, dtype=torch.bfloat16))
         assert torch.equal(got, run_experts(x, experts, idx, w) + (alone if scale is None else scale * alone))
-        monkeypatch.setattr(mlp.native, "moe_bf16", lambda *a: None)
+        monkeypatch.setattr(mlp.native, "moe", lambda *a: None)
         want = run_experts(x, experts, idx, w, shared=shared, scale=scale)
         assert torch.equal(want, run_experts(x, experts, idx, w) + (shared(x) if scale is None else scale * shared(x)))
     assert (got == want).float().mean().item() > 0.99
@@ -263,6 +276,49 @@ def test_moe_routes_every_choice_to_one_expert():
         want = torch.stack([w[t, 0].float() * experts[3](x[t : t + 1]).float()[0]
                             + w[t, 1].float() * experts[0](x[t : t + 1]).float()[0] for t in range(150)])
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_f32_gemm
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+@pytest.mark.parametrize("shared", [None, "gated", "ungated"])
+def test_f32_moe_is_the_torch_path_within_fp32_rounding(monkeypatch, tokens, shared):
+    """fp32 experts (the built-in model's default dtype) run as one compiled call too: the routed
+    sum, with a shared expert (40 channels: a partial block) times its gate or not, within fp32
+    summation error of the torch path's batched matmuls; each token's output depends on its own
+    row only (the same bits alone as in the batch)."""
+    experts, x, idx, w = experts_and_routing(tokens)
+    experts, x, w = experts.float(), x.float(), w.float()
+    torch.manual_seed(1)
+    extra = None if shared is None else GatedMLP(64, 40)
+    scale = torch.sigmoid(torch.randn(tokens, 1)) if shared == "gated" else None
+    calls = []
+    real = mlp.native.moe
+    monkeypatch.setattr(mlp.native, "moe", lambda *a: calls.append(a[0].dtype) or real(*a))
+    with torch.no_grad():
+        got = run_experts(x, experts, idx, w, shared=extra, scale=scale)
+        last = run_experts(x[-1:], experts, idx[-1:], w[-1:], shared=extra, scale=None if scale is None else scale[-1:])
+        monkeypatch.setattr(mlp.native, "moe", lambda *a: None)
+        want = run_experts(x, experts, idx, w, shared=extra, scale=scale)
+    assert calls == [torch.float32, torch.float32] and got.dtype == torch.float32
+    assert torch.equal(last, got[-1:])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_f32_moe_refuses_what_it_cannot_run():
+    """Mixed dtypes, another activation and a scale without a shared expert go to the torch path
+    (None) or are refused by the kernel with a clear error."""
+    experts, x, idx, w = experts_and_routing(8)
+    stack = mlp.stack_experts(experts.float())
+    xf = x.float()
+    assert native.moe(xf, idx, w, stack.gate_up.bfloat16(), stack.down, "silu") is None  # mixed dtypes
+    assert native.moe(xf, idx, w, stack.gate_up, stack.down, "gelu") is None
+    ext = native.extension()
+    if ext is not None and ext.gemm_f32_supported():
+        gu, dn = ext.pack_experts_f32(stack.gate_up, stack.down)
+        with pytest.raises(RuntimeError, match="scale"):
+            ext.moe_f32(xf, idx, w.float(), gu, dn, "silu", native.EMPTY, native.EMPTY, torch.ones(8))
+        with pytest.raises(RuntimeError, match="expert id out of range"):
+            ext.moe_f32(xf, idx + 6, w.float(), gu, dn, "silu", native.EMPTY, native.EMPTY, native.EMPTY)
 
 
 @pytest.mark.skipif(native.extension() is None, reason="CPU kernels not built here")

@@ -3,6 +3,7 @@ import pytest
 import torch
 from torch import nn
 
+from models.layers import mlp
 from models.layers.mlp import PAD_FREE_ROWS, STACKS, GatedMLP, run_experts
 from models.nemotron_h import MLP
 
@@ -21,11 +22,13 @@ def experts_of(kind):
 
 @pytest.mark.parametrize("kind", ["gated", "ungated+bias"])
 @pytest.mark.parametrize("routing", ["balanced", "skewed-few", "skewed"])
-def test_run_experts_matches_per_token(kind, routing):
-    """Balanced routing, or skewed routing of few rows (every token on experts 0 and 1, at
-    most PAD_FREE_ROWS per expert), takes the padded batched matmuls; skewed routing of more
-    rows the per-expert blocks; both equal the per-token sum, and stacking keeps one copy of
-    the weights (the experts' parameters become views of the stack)."""
+def test_run_experts_matches_per_token(monkeypatch, kind, routing):
+    """The torch path (the compiled call, where it runs, is tests/kernels/test_gemm.py's): balanced
+    routing, or skewed routing of few rows (every token on experts 0 and 1, at most PAD_FREE_ROWS
+    per expert), takes the padded batched matmuls; skewed routing of more rows the per-expert
+    blocks; both equal the per-token sum, and stacking keeps one copy of the weights (the
+    experts' parameters become views of the stack)."""
+    monkeypatch.setattr(mlp.native, "moe_runs", lambda x: False)
     experts = experts_of(kind)
     t, k = (PAD_FREE_ROWS + 8 if routing == "skewed" else 12), 2
     x = torch.randn(t, 16)
