@@ -36,7 +36,8 @@
 // then each token's choices weighted and summed as moe_combine does. A shared expert (Qwen3-Next's
 // sigmoid-gated one, Kimi Linear's ungated one) runs as one more expert on every token's row in
 // place, and its output, times its gate, joins the sum in the same pass. No padding, no copies of
-// the expert weights, one call per layer.
+// the expert weights, one call per layer. `moe_f32` is the same driver for fp32 experts (plain
+// blocks, the fp32 micro-kernel, nothing rounded between the steps) where `linear_f32` runs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
