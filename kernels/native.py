@@ -548,15 +548,20 @@ def _heads_packed(ext, weight, key, tag: str) -> torch.Tensor:
                    HEAD_PACKS.setdefault(tag, {}))
 
 
+def _experts_kernel(dtype: torch.dtype) -> tuple[Any, str]:
+    """The extension and the suffix of its experts kernels ("bf16" or "f32") for this dtype on
+    this CPU, or (None, "") where neither runs."""
+    if dtype == torch.bfloat16:
+        return _bf16_gemm(), "bf16"
+    ext = extension() if dtype == torch.float32 else None
+    return (ext, "f32") if ext is not None and _f32_gemm_supported(ext) else (None, "")
+
+
 def moe_runs(x: torch.Tensor) -> bool:
     """Whether moe() can run for x's dtype and device on this CPU (callers stack the experts'
     weights for it only then)."""
-    if x.device.type != "cpu" or torch.is_grad_enabled() and x.requires_grad:
-        return False
-    if x.dtype == torch.bfloat16:
-        return _bf16_gemm() is not None
-    ext = extension() if x.dtype == torch.float32 else None
-    return ext is not None and _f32_gemm_supported(ext)
+    grad = torch.is_grad_enabled() and x.requires_grad
+    return x.device.type == "cpu" and not grad and _experts_kernel(x.dtype)[0] is not None
 
 
 def moe(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:
@@ -570,12 +575,9 @@ def moe(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> tor
     ok = x.device.type == "cpu" and dt == gate_up.dtype == down.dtype and act == "silu"
     ok = ok and (shared is None or all(t.dtype == dt and t.stride(-1) == 1 for t in shared))
     ok = ok and (scale is None or (scale.dtype == dt and scale.numel() == x.shape[0]))
-    if dt == torch.bfloat16:  # VNNI pairs: even D and I
-        pairs = [x.shape[1], down.shape[2], *(() if shared is None else (shared[1].shape[1],))]
-        ext, kind = (_bf16_gemm() if ok and all(n % 2 == 0 for n in pairs) else None), "bf16"
-    else:
-        ext, kind = (extension() if ok and dt == torch.float32 else None), "f32"
-        ext = ext if ext is not None and _f32_gemm_supported(ext) else None
+    pairs = [x.shape[1], down.shape[2], *(() if shared is None else (shared[1].shape[1],))]
+    ok = ok and (dt != torch.bfloat16 or all(n % 2 == 0 for n in pairs))  # bf16: VNNI pairs, even D and I
+    ext, kind = _experts_kernel(dt) if ok else (None, "")
     if ext is None:
         return None
     pack, run = getattr(ext, f"pack_experts_{kind}"), getattr(ext, f"moe_{kind}")
