@@ -287,9 +287,9 @@ def compare(name: str, case: Case, old, new, repeats: int) -> dict:
 
 # kernels the engine calls that advance states in place: (index of the states argument, index of
 # the slots argument, or None where the whole tensor is restored: the chunk kernels write their
-# sequences' and checkpoints' rows of it)
+# sequences' and checkpoints' rows of it, as does the conv prefill)
 IN_PLACE = {"delta_step": (5, 6), "conv_step": (3, 4), "ssd_step": (6, 7), "chunk_delta_rule_slots": (5, None),
-            "chunk_ssd_slots": (6, None)}
+            "chunk_ssd_slots": (6, None), "causal_conv1d_slots": (3, None)}
 
 
 class Both:

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "../gemm/dot.h"
@@ -237,13 +238,28 @@ bool packed_runs(int64_t dk, int64_t dv) {
   return onednn_bf16();
 }
 
-// C [m, n] fp32 (rows n apart) = (add: C +) A [m, K] bf16 (rows K apart) times B [K, n] in VNNI
-// pairs [K / 2, n, 2]: oneDNN's micro-kernel, or dot_mm
-void packed_mm(int64_t m, int64_t n, int64_t K, const c10::BFloat16* A, const c10::BFloat16* B, float* C, bool add) {
+// C [m, n] fp32 (rows ldc apart) = (add: C +) A [m, K] bf16 (rows lda apart) times the first n
+// columns of B [K / 2, width, 2] (VNNI pairs): dot_mm, or oneDNN's micro-kernel (AMX), which is
+// given the whole block (n = width and K its full depth; callers trim only for dot_mm, see trims())
+void packed_mm(int64_t m, int64_t n, int64_t K, const c10::BFloat16* A, int64_t lda, const c10::BFloat16* B,
+               int64_t width, float* C, int64_t ldc, bool add) {
 #if defined(__AVX512BF16__)
-  if (!onednn_bf16()) return dot_mm(m, n, K, A, K, B, 2 * n, C, n, add);
+  if (!onednn_bf16()) return dot_mm(m, n, K, A, lda, B, 2 * width, C, ldc, add);
 #endif
-  at::native::cpublas::brgemm(m, n, K, K, n, n, add, A, B, C);
+  at::native::cpublas::brgemm(m, n, K, lda, width, ldc, add, A, B, C);
+}
+
+// The columns of a key block of kb keys that rows [m0, m1) of a job (row r * rows + i: query i,
+// at key position pos[i]) see from key k0 on: the score product's columns (a multiple of 16) and
+// the value product's depth (even). Past them a row's numerators are zeros, whose products add
+// nothing: trimming them keeps every output's bits (dot_mm sums each column on its own, pair by
+// pair in order). oneDNN's micro-kernels keep the whole block.
+std::pair<int64_t, int64_t> trims(const int64_t* pos, int64_t rows, int64_t m0, int64_t m1, int64_t k0, int64_t kb) {
+  if (onednn_bf16()) return {AKB, AKB};
+  int64_t top = 0;  // the furthest query of the rows
+  for (int64_t row = m0; row < m1; ++row) top = std::max(top, pos[row % rows]);
+  const int64_t seen = std::clamp<int64_t>(top + 1 - k0, 0, kb);
+  return {std::max<int64_t>(16, (seen + 15) / 16 * 16), std::max<int64_t>(2, (seen + 1) / 2 * 2)};
 }
 
 // bf16 over packed key blocks: first the keys and values of every (sequence, KV head) are laid
@@ -312,14 +328,18 @@ void prefill_packed(const at::Tensor& q, const at::Tensor& kc, const at::Tensor&
       const int64_t last = pos[rows - 1], first = base[job.n * Hkv + job.g];
       for (int64_t k0 = 0; k0 <= last; k0 += AKB) {
         const int64_t kb = std::min(AKB, last + 1 - k0), blk = slot[first + k0 / AKB];
-        for (int64_t m0 = 0; m0 < M; m0 += AM)
-          packed_mm(std::min(AM, M - m0), AKB, Dk, Q.data() + m0 * Dk,
-                    reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB), S.data() + m0 * AKB, false);
+        const T* kblock = reinterpret_cast<const T*>(kt.data() + blk * (Dk / 2) * AKB);
+        const T* vblock = reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv);
+        for (int64_t m0 = 0; m0 < M; m0 += AM) {
+          const int64_t am = std::min(AM, M - m0), cols = trims(pos.data(), rows, m0, m0 + am, k0, kb).first;
+          packed_mm(am, cols, Dk, Q.data() + m0 * Dk, Dk, kblock, AKB, S.data() + m0 * AKB, AKB, false);
+        }
         numerators_bf16(S.data(), num.data(), AKB, M, rows, pos.data(), k0, kb, scale, m.data(), l.data(), acc.data(),
                         Dv);
-        for (int64_t m0 = 0; m0 < M; m0 += AM)
-          packed_mm(std::min(AM, M - m0), Dv, AKB, num.data() + m0 * AKB,
-                    reinterpret_cast<const T*>(vv.data() + blk * (AKB / 2) * Dv), acc.data() + m0 * Dv, true);
+        for (int64_t m0 = 0; m0 < M; m0 += AM) {
+          const int64_t am = std::min(AM, M - m0), depth = trims(pos.data(), rows, m0, m0 + am, k0, kb).second;
+          packed_mm(am, Dv, depth, num.data() + m0 * AKB, AKB, vblock, Dv, acc.data() + m0 * Dv, Dv, true);
+        }
       }
       finish(acc.data(), l.data(), R, rows, Dv, op + ((cu[job.n] + job.q0) * H + job.g * R) * Dv, H * Dv);
     }

@@ -27,32 +27,61 @@ inline float input(const T* x, int64_t ld, const float* state, int64_t D, int64_
   return r >= 0 ? as_float(x[(start + r) * ld + d]) : state[(n * D + d) * (W - 1) + (W - 1 + r)];
 }
 
+// Channel d of a whole window: the bias, then the W taps of the input rows at x, x + ld, ...
+// (oldest first) as explicit fmas in order, as conv()'s general loop adds them (under -ffast-math
+// a plain sum of the taps is regrouped into a tree), so both give the same bits.
+template <int W, typename T>
+inline float taps(const T* x, int64_t ld, const float* wT, const float* bias, int64_t D, int64_t d) {
+  float acc = bias[d];
+  for (int w = 0; w < W; ++w) acc = std::fma(wT[w * D + d], as_float(x[w * ld + d]), acc);
+  return acc;
+}
+
+// y's row from a whole window of W input rows: every channel's taps summed in registers, one pass
+// over the row (not one per tap, through a buffer)
+template <int W, typename T>
+inline void window(const T* x, int64_t ld, const float* wT, const float* bias, int64_t D, bool silu, T* y) {
+  if (silu) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) {
+      const float acc = taps<W>(x, ld, wT, bias, D, d);
+      y[d] = narrow<T>(acc / (1.f + std::exp(-acc)));
+    }
+  } else {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) y[d] = narrow<T>(taps<W>(x, ld, wT, bias, D, d));
+  }
+}
+
 template <typename T>
 void conv(const T* x, int64_t ld, const float* wT, const float* bias, const float* state,
           const std::vector<int64_t>& cu, int64_t D, int64_t W, bool silu, T* y) {
   const int64_t N = static_cast<int64_t>(cu.size()) - 1, T_ = cu.back();
   std::vector<int64_t> seq_of(T_);
   for (int64_t n = 0; n < N; ++n) std::fill(seq_of.begin() + cu[n], seq_of.begin() + cu[n + 1], n);
+  const std::vector<float> zeros(bias ? 0 : D, 0.f);
+  const float* b0 = bias ? bias : zeros.data();  // 0 + w x is w x exactly: the same sums as without a bias
   at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = seq_of[t], r = t - cu[n];  // offset in its sequence
-      if (bias)
-        std::copy(bias, bias + D, acc.begin());
-      else
-        std::fill(acc.begin(), acc.end(), 0.f);
+      T* yr = y + t * D;
+      if (r >= W - 1 && W == 4) {  // a whole window inside x (W = 4: Qwen3-Next, Kimi Linear, NemotronH)
+        window<4>(x + (t - 3) * ld, ld, wT, b0, D, silu, yr);
+        continue;
+      }
+      std::copy(b0, b0 + D, acc.begin());
       for (int64_t w = 0; w < W; ++w) {  // tap w reads offset r - (W-1) + w
         const int64_t src = r - (W - 1) + w;
         const float* wr = wT + w * D;
         if (src >= 0) {
           const T* xr = x + (cu[n] + src) * ld;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += wr[d] * as_float(xr[d]);
+          for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(wr[d], as_float(xr[d]), acc[d]);
         } else {
-          for (int64_t d = 0; d < D; ++d) acc[d] += wr[d] * input(x, ld, state, D, W, cu[n], n, src, d);
+          for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(wr[d], input(x, ld, state, D, W, cu[n], n, src, d), acc[d]);
         }
       }
-      T* yr = y + t * D;
       if (silu) {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(acc[d] / (1.f + std::exp(-acc[d])));

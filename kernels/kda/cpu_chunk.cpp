@@ -4,8 +4,11 @@
 // cumulative log decay (each token's log decay clamped at min_log_decay, as the torch path does):
 //   A_kk[i, j] = sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])         (j < i)
 //   A_qk[i, j] = scale sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])   (j <= i)
-//   [U | W]   = (I + diag(beta) A_kk)^-1 diag(beta) [V | K exp(G)]   (forward substitution)
-//   D = U - W S;   O = scale (Q exp(G)) S + A_qk D;   S = exp(G_last) S + (K exp(G_last - G))^T D
+//   D = (I + diag(beta) A_kk)^-1 diag(beta) (V - K exp(G) S)          (forward substitution)
+//   O = scale (Q exp(G)) S + A_qk D;   S = exp(G_last) S + (K exp(G_last - G))^T D
+// D is the torch path's U - W S of the WY form ([U | W] = (I + diag(beta) A_kk)^-1 diag(beta)
+// [V | K exp(G)]) with the state folded in before the solve: chunk by chunk, S is known there,
+// so the substitution runs over V columns instead of V + K and W is never formed.
 // KDA's pairs are factored through reference tokens close enough that no factor leaves fp32's
 // normal range (pairs()); every other exp has a non-positive argument. The last chunk of a
 // sequence is just shorter (no padding).
@@ -47,10 +50,10 @@ struct Sizes {
 // (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
 // The work buffers of one thread, reused job after job and chunk after chunk.
 struct Scratch {
-  std::vector<float> k, q, qs, kT, G, kout, A, A_raw, X, e, R, C, D;
+  std::vector<float> k, q, qs, kT, G, kout, kexp, A, A_raw, X, e, R, C, D;
   explicit Scratch(const Sizes& s)
       : k(CHUNK * s.K), q(CHUNK * s.K), qs(CHUNK * s.K), kT(s.gK == 1 ? s.K * CHUNK : 0), G(CHUNK * s.gK),
-        kout(CHUNK * s.K), A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * (s.V + s.K)),
+        kout(CHUNK * s.K), kexp(CHUNK * s.K), A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * s.V),
         e(std::max(s.K, CHUNK)), R(2 * SBLK * s.K), C(s.K * CHUNK), D(3 * PBLK * s.K) {}
 };
 
@@ -228,10 +231,11 @@ void keys(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, int64_t h,
 template <typename T>
 void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c, int64_t hv, float* S,
            Scratch& w) {
-  const int64_t K = s.K, V = s.V, gK = s.gK, VK = V + K;
+  const int64_t K = s.K, V = s.V, gK = s.gK;
   // k [c, K]; qin [c, K]: the queries, raw until A_qk is formed, then Q exp(G) scale; A [2c, CHUNK]:
-  // A_kk then A_qk; X [c, V + K]: [V | K exp(G)], solved in place into [U | W], then [D | W]
-  float *k = w.k.data(), *qin = w.qs.data(), *G = w.G.data(), *kout = w.kout.data(), *A = w.A.data();
+  // A_kk then A_qk; X [c, V]: V - K exp(G) S, solved in place into D
+  float *k = w.k.data(), *qin = w.qs.data(), *G = w.G.data(), *kout = w.kout.data(), *kexp = w.kexp.data();
+  float* A = w.A.data();
   float *X = w.X.data(), *e = w.e.data();
   float *A_kk = A, *A_qk = A + c * CHUNK;
   std::copy(w.q.data(), w.q.data() + c * K, qin);  // raw q until A_qk is formed
@@ -239,7 +243,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
     const T* vr = in.v + ((t0 + i) * s.HV + hv) * V;
     const float* gr = in.g + ((t0 + i) * s.HV + hv) * gK;
     for (int64_t d = 0; d < gK; ++d) G[i * gK + d] = (i ? G[(i - 1) * gK + d] : 0.f) + std::max(gr[d], s.min_log_decay);
-    for (int64_t d = 0; d < V; ++d) X[i * VK + d] = as_float(vr[d]);
+    for (int64_t d = 0; d < V; ++d) X[i * V + d] = as_float(vr[d]);
   }
   const float* last = G + (c - 1) * gK;
   if (gK == 1) {  // A = [K; Q] K^T (from keys()), then each pair's decay exp(G_i - G_j), a row at a time
@@ -260,9 +264,9 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
   } else {  // per channel: see pairs()
     pairs(s, k, qin, G, c, w);
   }
-  for (int64_t i = 0; i < c; ++i) {  // K exp(G) into X, Q exp(G) scale, K exp(G_last - G)
+  for (int64_t i = 0; i < c; ++i) {  // K exp(G), Q exp(G) scale, K exp(G_last - G)
     const float *Gi = G + i * gK, *ki = k + i * K;
-    float *xi = X + i * VK + V, *qi = qin + i * K, *oi = kout + i * K;
+    float *xi = kexp + i * K, *qi = qin + i * K, *oi = kout + i * K;
     if (gK == 1) {  // one decay per head: two exps per token
       const float now = exp_floor(Gi[0]), rest = exp_floor(last[0] - Gi[0]);
 #pragma omp simd
@@ -282,37 +286,37 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
     }
     std::fill(A_qk + i * CHUNK + i + 1, A_qk + i * CHUNK + c, 0.f);  // causal: A_qk is read whole below
   }
+  mm(false, false, c, V, K, -1.f, kexp, K, S, V, 1.f, X, V);  // X = V - K exp(G) S
   // forward substitution in blocks of BLK rows: X_b = beta_b (X_b - A_kk[b, :b] X_:b), then inside the block
   for (int64_t b0 = 0; b0 < c; b0 += BLK) {
     const int64_t b1 = std::min(c, b0 + BLK);
-    if (b0) mm(false, false, b1 - b0, VK, b0, -1.f, A_kk + b0 * CHUNK, CHUNK, X, VK, 1.f, X + b0 * VK, VK);
+    if (b0) mm(false, false, b1 - b0, V, b0, -1.f, A_kk + b0 * CHUNK, CHUNK, X, V, 1.f, X + b0 * V, V);
     for (int64_t i = b0; i < b1; ++i) {
-      float* Xi = X + i * VK;
+      float* Xi = X + i * V;
       for (int64_t j = b0; j < i; ++j) {
         const float a = A_kk[i * CHUNK + j];
-        const float* Xj = X + j * VK;
+        const float* Xj = X + j * V;
 #pragma omp simd
-        for (int64_t d = 0; d < VK; ++d) Xi[d] -= a * Xj[d];
+        for (int64_t d = 0; d < V; ++d) Xi[d] -= a * Xj[d];
       }
       const float b = in.beta[(t0 + i) * s.HV + hv];
 #pragma omp simd
-      for (int64_t d = 0; d < VK; ++d) Xi[d] *= b;
+      for (int64_t d = 0; d < V; ++d) Xi[d] *= b;
     }
   }
-  float* oc = o + (t0 * s.HV + hv) * V;
+  float* oc = o + (t0 * s.HV + hv) * V;  // X is D now
   const int64_t ldo = s.HV * V;
-  mm(false, false, c, V, K, -1.f, X + V, VK, S, V, 1.f, X, VK);      // D = U - W S
   mm(false, false, c, V, K, 1.f, qin, K, S, V, 0.f, oc, ldo);        // O = Q exp(G) scale S
   for (int64_t b0 = 0; b0 < c; b0 += BLK) {  //   + A_qk D: BLK rows against the tokens up to their last (causal)
     const int64_t b1 = std::min(c, b0 + BLK);
-    mm(false, false, b1 - b0, V, b1, 1.f, A_qk + b0 * CHUNK, CHUNK, X, VK, 1.f, oc + b0 * ldo, ldo);
+    mm(false, false, b1 - b0, V, b1, 1.f, A_qk + b0 * CHUNK, CHUNK, X, V, 1.f, oc + b0 * ldo, ldo);
   }
   for (int64_t r = 0; r < K; ++r) {  // S = exp(G_last) S + (K exp(G_last - G))^T D
     const float decay = exp_floor(last[gK == 1 ? 0 : r]);
 #pragma omp simd
     for (int64_t d = 0; d < V; ++d) S[r * V + d] *= decay;
   }
-  mm(true, false, K, V, c, 1.f, kout, K, X, VK, 1.f, S, V);
+  mm(true, false, K, V, c, 1.f, kout, K, X, V, 1.f, S, V);
 }
 
 template <typename T>

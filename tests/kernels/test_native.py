@@ -430,6 +430,53 @@ def test_prefill_over_shared_pages_equals_private_copies(kv_heads, dk, dv):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dk,dv,latent", [(64, 64, False), (160, 128, True)], ids=["gqa", "mla"])
+def test_prefill_query_outputs_do_not_depend_on_their_block(dk, dv, latent):
+    """A query's prefill output is the same bits whichever query block holds it: the sequence's
+    queries all in one call, or only those from position c on over the c keys before them cached
+    (a prefix-cache hit), c inside, at and past 64-query blocks and 128-key blocks. Where the
+    bf16 blocks are packed, each 32-row piece's score and value products run only over the keys
+    its rows see, a count that moves with the blocks; within fp32 rounding where not packed."""
+    gen = torch.Generator().manual_seed(9)
+    ps, L = 16, 300
+    k = torch.randn(L // ps + 1, ps, 2 if not latent else 1, dk, generator=gen).bfloat16()
+    v = k if latent else torch.randn(k.shape[:3] + (dv,), generator=gen).bfloat16()
+    table = torch.randperm(k.shape[0], generator=gen)[None]
+    q = torch.randn(L, 4, dk, generator=gen).bfloat16()
+    whole = native.paged_prefill(q, k, v, table, torch.tensor([0, L]), torch.tensor([L]), dk**-0.5, dv)
+    for c in (1, 37, 64, 100, 128, 130, 250, 299):
+        part = native.paged_prefill(q[c:], k, v, table, torch.tensor([0, L - c]), torch.tensor([L]), dk**-0.5, dv)
+        if native.extension().paged_prefill_packed(dk, dv):
+            assert torch.equal(part, whole[c:]), c
+        else:
+            torch.testing.assert_close(part, whole[c:], rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("silu", [True, False])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_conv_resumed_from_its_state_equals_the_whole_run(dtype, silu, with_bias):
+    """A sequence's prefill conv resumed after c tokens from the conv state it had there gives
+    the whole run's outputs from c on, bit for bit: the first W-1 tokens after the cut read the
+    state and run the general loop, the same tokens in the whole run the whole-window one, and
+    both add the taps in one order (a prefix-cache hit is exact only so)."""
+    gen = torch.Generator().manual_seed(10)
+    L, D, W = 70, 40, 4
+    x = torch.randn(L, D + 6, generator=gen).to(dtype)[:, 3 : 3 + D]
+    weight = torch.randn(D, W, generator=gen)
+    bias = torch.randn(D, generator=gen) if with_bias else None
+    state = torch.randn(1, D, W - 1, generator=gen)
+    cuts = (1, 2, 3, 5, 64, 69)
+    at = torch.tensor([[0, c] for c in cuts])
+    y, states = native.causal_conv1d(x, weight, bias, state, torch.tensor([0, L]), at, silu)
+    for i, c in enumerate(cuts):
+        rest, _ = native.causal_conv1d(x[c:], weight, bias, states[1 + i : 2 + i].contiguous(),
+                                       torch.tensor([0, L - c]), torch.empty(0, 2, dtype=torch.long), silu)
+        assert torch.equal(rest, y[c:]), c
+
+
+@needs_kernel
 @pytest.mark.parametrize("renorm", [True, False])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_sigmoid_routing_equals_the_torch_router(renorm, top_k, monkeypatch):
