@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include "../state_rows.h"
+#include "../prefetch.h"
 #include "../widen.h"
 
 #include <algorithm>
@@ -66,6 +67,7 @@ void conv(const T* x, int64_t ld, const float* wT, const float* bias, const floa
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = seq_of[t], r = t - cu[n];  // offset in its sequence
       T* yr = y + t * D;
+      if (t + 8 < T_) prefetch_bytes(x + (t + 8) * ld, D * sizeof(T));  // a column range: rows ld apart
       if (r >= W - 1 && W == 4) {  // a whole window inside x (W = 4: Qwen3-Next, Kimi Linear, NemotronH)
         window<4>(x + (t - 3) * ld, ld, wT, b0, D, silu, yr);
         continue;

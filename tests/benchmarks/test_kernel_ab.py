@@ -75,3 +75,21 @@ def test_engine_mode_gives_both_modules_the_same_states_and_keeps_the_new_ones()
         assert torch.equal(state[slots], torch.full((2, 3), float(calls))) and not state[[1, 3]].any()
         assert both.rows["delta_step"]["max_diff"] == 1.0 and both.rows["delta_step"]["calls"] == calls
     assert both.heads_bf16(None) is None and both.rows["heads_bf16"]["max_diff"] == 0
+
+
+def test_engine_mode_alternates_which_module_goes_first_per_kernel():
+    """Each kernel's calls alternate which module runs first (the second finds the inputs in cache),
+    also where two kernels' calls interleave: with one flip shared by all kernels, a layer calling
+    two of them would give each the same order every time."""
+    order: list[str] = []
+
+    def module(side: str):
+        return types.SimpleNamespace(rms_norm=lambda: order.append(f"{side} norm"),
+                                     causal_conv1d=lambda: order.append(f"{side} conv"))
+
+    both = kernel_ab.Both(module("old"), module("new"), ["rms_norm", "causal_conv1d"])
+    for _ in range(2):  # two layers, each a conv then a norm
+        both.causal_conv1d()
+        both.rms_norm()
+    firsts = order[::2]
+    assert firsts == ["new conv", "new norm", "old conv", "old norm"]
