@@ -109,6 +109,7 @@ at::Tensor ssd_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
                     const at::Tensor& C, const at::Tensor& D, at::Tensor& state, const at::Tensor& slots);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset, bool cast_first,
                     const at::Tensor& gate, const std::string& act, at::ScalarType out_dtype);
+at::Tensor sigmoid_gate(const at::Tensor& o, const at::Tensor& gate);
 at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
                      const at::Tensor& slots, bool silu);
 std::vector<at::Tensor> delta_prepare(const at::Tensor& x, int64_t H, int64_t K, int64_t HV, int64_t V,
@@ -176,7 +177,7 @@ static at::Tensor attention_decode(const at::Tensor& q, const at::Tensor& gate, 
     cache.view({-1, cache.size(2), cache.size(3)}).index_copy_(0, kv_slots, rows.to(cache.scalar_type()));
   const auto o = paged_decode(qn, k_cache, v_cache, page_table, seq_lens, scale, v_cache.size(3)).to(q.scalar_type());
   const int64_t T = q.size(0);
-  return gate.numel() ? o.reshape({T, -1}) * at::sigmoid(gate.reshape({T, -1})) : o.reshape({T, -1});
+  return gate.numel() ? sigmoid_gate(o.reshape({T, -1}), gate.reshape({T, -1})) : o.reshape({T, -1});
 }
 
 // A Mamba2 layer's decode rows (models/nemotron_h.py Mamba2Mixer): the short conv over the xBC rows
@@ -236,6 +237,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_conv1d_slots", &causal_conv1d_slots, nogil, "the same, states read and written in rows of a pool");
   m.def("ssd_step", &ssd_step, nogil, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
   m.def("rms_norm", &rms_norm, nogil, "RMS norm, optionally gated, one pass per row (kernels/norm/cpu_norm.cpp)");
+  m.def("sigmoid_gate", &sigmoid_gate, nogil, "o * sigmoid(gate), rounded as torch's ops (kernels/norm/cpu_norm.cpp)");
   m.def("conv_step", &conv_step, nogil, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
   m.def("moe_dispatch", &moe_dispatch, nogil, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
   m.def("moe_combine", &moe_combine, nogil, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");

@@ -323,6 +323,15 @@ def rms_norm(x, weight, eps: float, offset: float = 0.0, cast_first: bool = Fals
     return ext.rms_norm(_rows(x) if x.dim() == 2 else _dense(x), _f32(weight), eps, offset, cast_first, g, act, dtype)
 
 
+def sigmoid_gate(o, gate) -> torch.Tensor | None:
+    """o * sigmoid(gate) in one pass, each step rounded as torch's ops in o's dtype round it (the
+    same bits in bf16): o [T, C], gate [T, C] of o's dtype (its rows may be any stride apart: read
+    in place from a projection's output). None where the kernel cannot run."""
+    ok = _routable(o) and o.dim() == 2 and gate.dtype == o.dtype and gate.shape == o.shape
+    ext = extension() if ok else None
+    return None if ext is None else ext.sigmoid_gate(_dense(o), _rows(gate))
+
+
 def gated_group_norm(x, z, weight, groups: int, eps: float) -> torch.Tensor | None:
     """models/nemotron_h.py's gated norm in one pass: w * norm(x * silu(z)) for x, z [T, D] (z may be
     a column range), the RMS over each of `groups` channel groups, in fp32, cast to z's dtype;

@@ -9,6 +9,7 @@
 #include "../prefetch.h"
 #include "../widen.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -148,6 +149,27 @@ void gated_group_rows(const X* x, const Z* z, int64_t ldz, const float* w, int64
   });
 }
 
+// y = o * sigmoid(g), row by row, each step rounded to T as torch's T ops round it (the sigmoid in
+// fp32, rounded; the product of two T values, rounded once): o [rows, C] contiguous, g's rows ldg
+// apart (a column range of a projection's output, prefetched AHEAD rows on)
+template <typename T>
+void sigmoid_gate_rows(const T* o, const T* g, int64_t ldg, int64_t rows, int64_t C, T* y) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *orow = o + r * C, *grow = g + r * ldg;
+      T* yr = y + r * C;
+      if (r + AHEAD < rows) prefetch_bytes(grow + AHEAD * ldg, C * sizeof(T));
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) {
+        // 1 / (1 + inf) is 0 in IEEE arithmetic, not under -ffast-math (NaN): past exp's range, 0
+        const float x = -as_float(grow[c]);
+        const float s = as_float(narrow<T>(x > 88.72f ? 0.f : 1.f / (1.f + std::exp(std::min(x, 88.72f)))));
+        yr[c] = narrow<T>(as_float(orow[c]) * s);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Mamba2's gated norm: x [T, D] fp32 or bf16 contiguous, z [T, D] fp32 or bf16 with unit stride in
@@ -259,4 +281,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                             sum.data_ptr<scalar_t>(), y.data_ptr<scalar_t>());
   });
   return {y, sum};
+}
+
+// o * sigmoid(gate) in one pass (the output gate of Qwen3-Next's attention), rounded as torch's ops
+// in o's dtype round it: o [T, C] contiguous and gate [T, C] with unit stride in C, rows any stride
+// apart (the gate half of the query projection, read in place), one dtype (fp32 or bf16).
+at::Tensor sigmoid_gate(const at::Tensor& o, const at::Tensor& gate) {
+  TORCH_CHECK(o.dim() == 2 && o.is_contiguous() && gate.sizes() == o.sizes() && gate.stride(1) == 1 &&
+                  gate.stride(0) >= gate.size(1),
+              "sigmoid_gate: contiguous o [T, C] and gate [T, C] with unit stride in C");
+  TORCH_CHECK(gate.scalar_type() == o.scalar_type() &&
+                  (o.scalar_type() == at::kFloat || o.scalar_type() == at::kBFloat16),
+              "sigmoid_gate: o and gate both fp32 or both bf16");
+  auto y = at::empty_like(o);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, o.scalar_type(), "sigmoid_gate", [&] {
+    sigmoid_gate_rows<scalar_t>(o.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), gate.stride(0), o.size(0),
+                                o.size(1), y.data_ptr<scalar_t>());
+  });
+  return y;
 }

@@ -907,3 +907,24 @@ def test_f32_copy_of_a_parameter_is_made_once_and_follows_writes():
     assert again is not first and torch.equal(again, p.float())
     x = torch.randn(64).bfloat16()
     assert native._f32(x) is not native._f32(x)
+
+
+@needs_kernel
+def test_sigmoid_gate_is_torchs_bf16_ops_bit_for_bit():
+    """o * sigmoid(gate) in one pass gives torch's bf16 ops' bits for every bf16 gate value (all
+    65,536 bit patterns, NaNs aside) against random outputs, with the gate read in place from a
+    column range; fp32 within fp32 rounding; mixed dtypes are refused and leave the torch path."""
+    gen = torch.Generator().manual_seed(12)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = bits[~bits.float().isnan()]
+    g = torch.cat([values, values.new_zeros(-values.numel() % 64)]).reshape(-1, 64)  # every value, rows of 64
+    wide = torch.randn(g.shape[0], 200, generator=gen).bfloat16()
+    wide[:, 100:164] = g
+    gate = wide[:, 100:164]
+    o = torch.randn(g.shape, generator=gen).bfloat16()
+    assert torch.equal(native.sigmoid_gate(o, gate), o * torch.sigmoid(gate))
+    o32, g32 = torch.randn(50, 96, generator=gen), torch.randn(50, 96, generator=gen) * 8
+    torch.testing.assert_close(native.sigmoid_gate(o32, g32), o32 * torch.sigmoid(g32), rtol=2e-6, atol=1e-7)
+    assert native.sigmoid_gate(o32, g32.bfloat16()) is None
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        native.extension().sigmoid_gate(o32, g32.bfloat16())
