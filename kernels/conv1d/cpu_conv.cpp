@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../act.h"
 #include "../state_rows.h"
 #include "../prefetch.h"
 #include "../widen.h"
@@ -46,7 +47,7 @@ inline void window(const T* x, int64_t ld, const float* wT, const float* bias, i
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) {
       const float acc = taps<W>(x, ld, wT, bias, D, d);
-      y[d] = narrow<T>(acc / (1.f + std::exp(-acc)));
+      y[d] = narrow<T>(act::silu(acc));
     }
   } else {
 #pragma omp simd
@@ -86,7 +87,7 @@ void conv(const T* x, int64_t ld, const float* wT, const float* bias, const floa
       }
       if (silu) {
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(acc[d] / (1.f + std::exp(-acc[d])));
+        for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(act::silu(acc[d]));
       } else {
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) yr[d] = narrow<T>(acc[d]);
@@ -222,7 +223,7 @@ void conv_step_impl(const T* x, int64_t ld, const float* w, const float* bias, S
         for (int64_t d = 0; d < D; ++d) st[d * (W - 1) + W - 2] = narrow<S>(as_float(xn[d]));
       if (silu) {  // a second pass, so the exps run as vectors
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] / (1.f + std::exp(-acc[d]));
+        for (int64_t d = 0; d < D; ++d) acc[d] = act::silu(acc[d]);
       }
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) yn[d] = narrow<T>(acc[d]);

@@ -46,6 +46,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../act.h"
 #include "../denormal.h"
 #include "../widen.h"
 #include "dot.h"
@@ -420,12 +421,12 @@ inline void gated(const float* G, const float* U, BFloat16* out) {
 #pragma omp simd
   for (int64_t j = 0; j < BN; ++j) {
     const float g = round_bf16(G[j]);
-    h[j] = bf16_bits(round_bf16(g / (1.f + std::exp(-g))) * round_bf16(U[j]));
+    h[j] = bf16_bits(round_bf16(act::silu(g)) * round_bf16(U[j]));
   }
 }
 inline void gated(const float* G, const float* U, float* h) {
 #pragma omp simd
-  for (int64_t j = 0; j < BN; ++j) h[j] = G[j] / (1.f + std::exp(-G[j])) * U[j];
+  for (int64_t j = 0; j < BN; ++j) h[j] = act::silu(G[j]) * U[j];
 }
 
 // a token's output from its choices' rows (weights wc in order) and, where there is one, its

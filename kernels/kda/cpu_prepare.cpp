@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../act.h"
 #include "../widen.h"
 
 #include <cmath>
@@ -70,7 +71,7 @@ void prepare(const at::Tensor& x, int64_t H, int64_t K, int64_t HV, int64_t V, i
         }
       }
 #pragma omp simd
-      for (int64_t h = 0; h < HV; ++h) betap[t * HV + h] = 1.f / (1.f + std::exp(-z[h]));
+      for (int64_t h = 0; h < HV; ++h) betap[t * HV + h] = act::sigmoid(z[h]);
     }
   });
 }

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../act.h"
 #include "../prefetch.h"
 #include "../widen.h"
 
@@ -59,10 +60,10 @@ void norm_rows(const T* x, int64_t ldx, const float* w, float offset, bool cast_
         const G* gr = gate + t * ldg + r % per_tok * D;
         if (act == kSilu) {
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) v[d] *= as_float(gr[d]) / (1.f + std::exp(-as_float(gr[d])));
+          for (int64_t d = 0; d < D; ++d) v[d] *= act::silu(as_float(gr[d]));
         } else if (act == kSigmoid) {
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) v[d] *= 1.f / (1.f + std::exp(-as_float(gr[d])));
+          for (int64_t d = 0; d < D; ++d) v[d] *= act::sigmoid(as_float(gr[d]));
         } else {
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) v[d] *= as_float(gr[d]);
@@ -139,7 +140,7 @@ void gated_group_rows(const X* x, const Z* z, int64_t ldz, const float* w, int64
       if (r + AHEAD < rows) prefetch_bytes(zr + AHEAD * ldz, D * sizeof(Z));  // z: a column range, rows ldz apart
       O* yr = y + r * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) v[d] = as_float(xr[d]) * (as_float(zr[d]) / (1.f + std::exp(-as_float(zr[d]))));
+      for (int64_t d = 0; d < D; ++d) v[d] = as_float(xr[d]) * act::silu(as_float(zr[d]));
       for (int64_t g = 0; g < groups; ++g) {
         const float inv = inv_rms(v.data() + g * Dg, Dg, eps);
 #pragma omp simd
@@ -161,9 +162,7 @@ void sigmoid_gate_rows(const T* o, const T* g, int64_t ldg, int64_t rows, int64_
       if (r + AHEAD < rows) prefetch_bytes(grow + AHEAD * ldg, C * sizeof(T));
 #pragma omp simd
       for (int64_t c = 0; c < C; ++c) {
-        // 1 / (1 + inf) is 0 in IEEE arithmetic, not under -ffast-math (NaN): past exp's range, 0
-        const float x = -as_float(grow[c]);
-        const float s = as_float(narrow<T>(x > 88.72f ? 0.f : 1.f / (1.f + std::exp(std::min(x, 88.72f)))));
+        const float s = as_float(narrow<T>(act::sigmoid(as_float(grow[c]))));
         yr[c] = narrow<T>(as_float(orow[c]) * s);
       }
     }

@@ -928,3 +928,52 @@ def test_sigmoid_gate_is_torchs_bf16_ops_bit_for_bit():
     assert native.sigmoid_gate(o32, g32.bfloat16()) is None
     with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
         native.extension().sigmoid_gate(o32, g32.bfloat16())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_sigmoid_past_exps_range_are_torchs_zeros_not_nan(dtype):
+    """Pre-activations below -88.72 (where exp(-x) overflows fp32) give what torch gives, 0 or a
+    tiny finite value, in every compiled kernel with a silu or sigmoid: the gated norms, the conv
+    prefill and step, Mamba2's gated group norm, the delta rule's beta, the experts, the attention
+    gate. Built with -ffast-math, 1 / (1 + inf) came out NaN there."""
+    from models.layers import mlp
+    from tests.kernels.test_gemm import experts_and_routing
+
+    gen = torch.Generator().manual_seed(13)
+    ramp = torch.linspace(-400.0, 100.0, 64)  # below, across and above exp's range
+    x = torch.randn(3, 64, generator=gen).to(dtype)
+    g = ramp.repeat(3, 1).to(dtype)
+    w = torch.rand(64, generator=gen) + 0.5
+    for act, f in (("silu", F.silu), ("sigmoid", torch.sigmoid)):
+        got = native.rms_norm(x, w, 1e-6, gate=g, act=act, dtype=dtype)
+        want = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w * f(g.float())).to(dtype)
+        assert not got.isnan().any(), act
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-5)
+    gated = native.sigmoid_gate(x, g)  # bf16: torch's bits; fp32: within its rounding
+    torch.testing.assert_close(gated, x * torch.sigmoid(g), rtol=0 if dtype == torch.bfloat16 else 2e-6, atol=0)
+    v = (x.float() * F.silu(g.float())).view(3, 2, 32)
+    want = (w.view(2, 32) * v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).view(3, 64).to(dtype)
+    group = native.gated_group_norm(x, g, w, 2, 1e-6)
+    assert not group.isnan().any()
+    torch.testing.assert_close(group.float(), want.float(), rtol=1e-2, atol=1e-5)
+    conv_w, zeros = torch.ones(64, 4) / 4, torch.zeros(1, 64, 3)
+    y, _ = native.causal_conv1d(g, conv_w, None, zeros, torch.tensor([0, 3]), torch.empty(0, 2, dtype=torch.long), True)
+    want = F.silu(torch.stack([g.float()[: i + 1].sum(0) / 4 for i in range(3)])).to(dtype)
+    assert not y.isnan().any()
+    torch.testing.assert_close(y.float(), want.float(), rtol=1e-2, atol=1e-5)
+    step = native.conv_step(g, conv_w, None, torch.zeros(3, 64, 3), torch.arange(3), True)
+    assert not step.isnan().any()
+    torch.testing.assert_close(step.float(), F.silu(g.float() / 4).to(dtype).float(), rtol=1e-2, atol=1e-5)
+    b = ramp[:8].reshape(1, 1, 8).repeat(3, 1, 1).to(dtype)  # beta = sigmoid(b) of 8 value heads
+    qkv = torch.randn(3, 2 * 2 * 16 + 8 * 16, generator=gen).to(dtype)
+    beta = native.delta_prepare(qkv, 2, 16, 8, 16, torch.zeros(3, 1, 8, dtype=dtype), torch.zeros(8),
+                                torch.zeros(8), b, 1e-6)[4]
+    assert not beta.isnan().any()
+    torch.testing.assert_close(beta, torch.sigmoid(b.float()).reshape(3, 8), rtol=1e-6, atol=0)
+    experts, xe, idx, we = experts_and_routing(4)
+    stack = mlp.stack_experts(experts.to(dtype))
+    big = stack.gate_up.clone()
+    big[:, : big.shape[1] // 2] = -1e4  # every gate far below exp's range: silu(gate) is 0
+    out = native.moe(xe.to(dtype).abs() + 1, idx, we, big, stack.down, "silu")
+    assert out is not None and torch.equal(out, torch.zeros_like(out))
