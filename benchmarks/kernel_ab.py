@@ -20,6 +20,14 @@ on with the new module's outputs and states), and prints each kernel's summed ti
 module: a change measured on the calls a real run makes, with no other engine code in the
 difference, where whole runs side by side spread more than the change.
 
+    python -m benchmarks.kernel_ab --old PATH --engine qwen3-next --steps 240
+
+`--steps N` with `--engine` times whole decode steps instead: the workload's prompts are
+prefilled, then N decode steps alternate the module step by step (ABBA), and each module's mean
+and median step, and each kernel's time a step, are printed. A decode step reads more KV pages
+and recurrent states than the caches hold, so this is the measure for a change to a kernel bound
+by memory latency: above, a kernel's second call in a row finds the rows its first call brought in.
+
 The cases are the decode-step and prefill kernels at the peer benchmark's sizes (64 sequences
 of 1,024 shared + 320 own keys; prefill steps of 256-query segments over the 1,024 shared keys,
 or of whole 1,280-query sequences with nothing cached,
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -361,6 +370,65 @@ def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests
     return [dict(r, ratio=r["new_s"] / r["old_s"] if r["old_s"] else float("nan")) for r in both.rows.values()]
 
 
+class Timed:
+    """A module whose every kernel call adds its seconds to times[name] (a step's kernels, per module)."""
+
+    def __init__(self, module, times: dict[str, float]):
+        self.module, self.times = module, times
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return call
+
+
+def engine_steps(model: str, old, new, cache: Path, requests: int, prefix: int, suffix: int, steps: int) -> dict:
+    """The peer workload's prompts prefilled through the engine on the new module, then `steps`
+    decode steps (the layers' one-call decode bodies on, as a real run makes them) alternating the
+    module from step to step in ABBA order (each module as often first after the other). Returns
+    per module the steps' seconds ("steps") and each kernel's summed seconds ("kernels"). A decode
+    step reads the KV pages and recurrent states of every sequence, more than the caches hold, so a
+    kernel bound by memory latency is timed on the caches the rest of the step left; `Both` calls
+    each kernel twice in a row, and the second call finds the first one's rows in cache."""
+    from benchmarks import peers
+    from hybridserve import LLM, SamplingParams
+    from scheduler.request import Status
+
+    row = next(r for r in peers.ROWS.values() if r.model == model)
+    work = peers.workload(argparse.Namespace(requests=requests, prefix=prefix, suffix=suffix, new=steps), row.vocab)
+    path = peers.checkpoint(model, cache)[0]
+    result: dict = {"steps": {"old": [], "new": []}, "kernels": {"old": {}, "new": {}}}
+    timed = {"old": Timed(old, result["kernels"]["old"]), "new": Timed(new, result["kernels"]["new"])}
+    current = {"module": new}
+    real, native.extension = native.extension, lambda: current["module"]  # type: ignore[assignment]
+    try:
+        llm = LLM(str(path), dtype=row.dtype, enable_prefix_cache=row.prefix_cache, max_running=requests,
+                  memory_gb=peers.MEMORY_GB)
+        llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        engine = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+        for prompt in work["prompts"]:
+            engine.add_request(prompt, params, outputs="final")
+        while any(entry[0].status is not Status.DECODE for entry in engine.requests.values()):
+            engine.step()  # every prompt prefilled: from here each step decodes all of them
+        for i in range(steps):
+            side = "old" if (i + i // 2) % 2 else "new"  # new, old, old, new, new, old, ...
+            current["module"] = timed[side]
+            t0 = time.perf_counter()
+            engine.step()
+            result["steps"][side].append(time.perf_counter() - t0)
+    finally:
+        native.extension = real  # type: ignore[assignment]
+    return result
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     which = ap.add_mutually_exclusive_group(required=True)
@@ -371,6 +439,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--only", default="", help="comma-separated substrings of the case names to run")
     ap.add_argument("--engine", help="run the peer workload through the engine on this model instead of the cases")
     ap.add_argument("--kernels", default="paged_prefill,paged_decode", help="--engine: the kernels to compare")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="--engine: time this many whole decode steps instead, the module alternating by step")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
                     help="--engine: where the peer checkpoints are built")
     ap.add_argument("--requests", type=int, default=64)
@@ -378,6 +448,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--suffix", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
     args = ap.parse_args(argv)
+    if args.steps and (not args.engine or args.steps < 2):
+        ap.error("--steps: with --engine, and at least 2 (one a module)")
     new = native.extension()
     if new is None:
         raise SystemExit("this checkout's CPU kernels are not built (see the log above)")
@@ -391,6 +463,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(threads)  # as found: main() also runs inside other processes (the tests)
 
 
+def step_rows(args: argparse.Namespace, old, new) -> dict:
+    """--engine with --steps: both modules' decode steps and the kernels in them, printed and
+    returned as one row (kernel times per step)."""
+    print(f"old {Path(old.__file__).parent.name}, new {Path(new.__file__).parent.name}; {args.engine}, "
+          f"{args.requests} requests of {args.prefix} shared + {args.suffix} own tokens, then {args.steps} decode "
+          f"steps alternating; {args.threads} threads")
+    res = engine_steps(args.engine, old, new, args.cache, args.requests, args.prefix, args.suffix, args.steps)
+    times, kernels = res["steps"], res["kernels"]
+    row: dict = {"case": "decode step", "steps": {side: len(t) for side, t in times.items()}, "kernels": {}}
+    for side, t in times.items():
+        row[f"{side}_mean_s"], row[f"{side}_median_s"] = statistics.mean(t), statistics.median(t)
+    row["ratio"] = row["new_median_s"] / row["old_median_s"]
+    print(f"decode step  old: mean {row['old_mean_s'] * 1e3:.2f} ms, median {row['old_median_s'] * 1e3:.2f} ms  "
+          f"new: mean {row['new_mean_s'] * 1e3:.2f} ms, median {row['new_median_s'] * 1e3:.2f} ms  "
+          f"new/old (medians) {row['ratio']:.3f}", flush=True)
+    for name in sorted(kernels["new"], key=lambda k: -kernels["new"][k]):
+        o, n = (kernels[side].get(name, 0.0) / len(times[side]) for side in ("old", "new"))
+        row["kernels"][name] = {"old_s": o, "new_s": n, "ratio": n / o if o else float("nan")}
+        print(f"  {name:20s} old {o * 1e3:7.3f} ms  new {n * 1e3:7.3f} ms a step  "
+              f"new/old {row['kernels'][name]['ratio']:5.2f}")
+    return row
+
+
 def compare_modules(args: argparse.Namespace, ap: argparse.ArgumentParser, old, new) -> list[dict]:
     """The engine's calls (--engine) or the cases, on both modules; the rows printed as they come."""
     if args.engine:
@@ -399,6 +494,8 @@ def compare_modules(args: argparse.Namespace, ap: argparse.ArgumentParser, old, 
         models = sorted({r.model for r in peers.ROWS.values()})
         if args.engine not in models:
             ap.error(f"--engine {args.engine}: one of {', '.join(models)}")
+        if args.steps:
+            return [step_rows(args, old, new)]
         kernels = [k for k in args.kernels.split(",") if k]
         missing = [k for k in kernels if not (callable(getattr(old, k, None)) and callable(getattr(new, k, None)))]
         if not kernels or missing:

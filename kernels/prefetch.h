@@ -8,3 +8,10 @@
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);
 }
+
+// the same into L2 only (prefetcht1: Zen 4 fills L2, not L1), for rows read a while later: from
+// memory, prefetches into L1 are as many at a time as L1 has misses outstanding, and rows fetched
+// far ahead into L1 are evicted before they are read
+inline void prefetch_l2_bytes(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 2);
+}

@@ -9,6 +9,7 @@
 
 #include "../denormal.h"
 #include "../matmul.h"
+#include "../prefetch.h"
 #include "../reduce.h"
 #include "../widen.h"
 #include "packed.h"
@@ -119,6 +120,7 @@ constexpr int64_t SHARED_ROWS = 128;  // query rows (sequences x R) per job over
 constexpr int64_t KEYS = 256;         // a sequence's own keys per step (whole pages, at least one)
 constexpr int64_t AHEAD = 8;          // own keys: rows prefetched this many keys ahead
 constexpr int64_t LEAD = 48;          // the same through AVX-512 BF16 (a multiple of 16)
+constexpr int64_t FAR = 160;          // ... and into L2, key and value rows (a multiple of 16, >= LEAD)
 
 // Decode attention, one query per sequence. The pages all sequences share come first, as
 // matmuls: per (KV head, block of sequences), the block's R * rows queries against each step of
@@ -177,7 +179,7 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
     const int64_t rows_max = std::max(seqs, int64_t{1}) * R;
     std::vector<float> qf(rows_max * Dk), p(rows_max * block), acc(rows_max * Dv);
     std::vector<float> kb(block * Dk), vb(block * Dv);  // a step's keys and values, fp32
-    std::vector<const T*> krows(block + LEAD + 16), vrows(block + LEAD + 16);  // its key and value rows (wide own keys)
+    std::vector<const T*> krows(block + FAR + 16), vrows(block + FAR + 16);  // its key and value rows (wide own keys)
     // packed shared steps: the block's queries, the step's keys and values packed (block rounded up
     // to whole 32-column tiles), the numerators
     const int64_t tiles = packed ? (block + 31) / 32 * 32 : 0;
@@ -282,13 +284,15 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>)
           if (wide) {  // the step's rows (and the next group's, prefetched), then scores, softmax, values
-            const int64_t have = std::min(cnt + LEAD, L - t0);
+            const int64_t have = std::min(cnt + FAR, L - t0);
             gather_rows(table, g, t0, have);
-            std::fill(krows.begin() + have, krows.begin() + cnt + LEAD + 16, krows[have - 1]);
-            std::fill(vrows.begin() + have, vrows.begin() + cnt + LEAD + 16, vrows[have - 1]);
+            std::fill(krows.begin() + have, krows.begin() + cnt + FAR + 16, krows[have - 1]);
+            std::fill(vrows.begin() + have, vrows.begin() + cnt + FAR + 16, vrows[have - 1]);
             for (int64_t i = 0; i < cnt; i += 16) {
-              for (int64_t j = i + LEAD; j < std::min(i + LEAD + 16, have); ++j) {
-                prefetch(krows[j], Dk * int64_t(sizeof(T)));
+              for (int64_t j = i + LEAD; j < std::min(i + LEAD + 16, have); ++j) prefetch(krows[j], Dk * int64_t(sizeof(T)));
+              for (int64_t j = i + FAR; j < std::min(i + FAR + 16, have); ++j) {
+                prefetch_l2_bytes(krows[j], Dk * int64_t(sizeof(T)));
+                if (!latent) prefetch_l2_bytes(vrows[j], Dv * int64_t(sizeof(T)));
               }
               for (int64_t r = 0; r < R; ++r)
                 scores16(qp + (n * H + g * R + r) * Dk, krows.data() + i, std::min<int64_t>(16, cnt - i), Dk, sc,

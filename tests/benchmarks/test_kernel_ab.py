@@ -114,3 +114,55 @@ def test_engine_mode_does_not_time_a_kernels_first_call():
         both.rms_norm(torch.zeros(2))
     row = both.rows["rms_norm"]
     assert row["calls"] == 3 and 0.002 <= row["old_s"] < 0.1 and 0.002 <= row["new_s"] < 0.1
+
+
+class _Recorder:
+    """A module whose kernel calls go to `module`, each call's side appended to `log`."""
+
+    def __init__(self, module, side: str, log: list):
+        self.module, self.side, self.log = module, side, log
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args, **kwargs):
+            self.log.append(self.side)
+            return fn(*args, **kwargs)
+        return call
+
+
+@needs_kernel
+def test_engine_steps_prefill_on_the_new_module_then_alternate_by_step(tmp_path):
+    """--steps: the prompts are prefilled on the new module only, then the timed decode steps run
+    new, old, old, new, new, old: every kernel call of a step on that step's module."""
+    log: list[str] = []
+    new, old = _Recorder(native.extension(), "new", log), _Recorder(native.extension(), "old", log)
+    res = kernel_ab.engine_steps("builtin", old, new, tmp_path, requests=3, prefix=64, suffix=16, steps=6)
+    assert {side: len(t) for side, t in res["steps"].items()} == {"old": 3, "new": 3}
+    assert all(t > 0 for ts in res["steps"].values() for t in ts)
+    # each module's kernels timed on its own steps: the same kernels, each called on both
+    assert set(res["kernels"]["old"]) == set(res["kernels"]["new"]) and res["kernels"]["new"]
+    assert all(t > 0 for side in ("old", "new") for t in res["kernels"][side].values())
+    runs = [side for i, side in enumerate(log) if i == 0 or log[i - 1] != side]
+    assert runs == ["new", "old", "new", "old"]
+    assert native.extension() is not None and not isinstance(native.extension(), _Recorder)  # restored
+
+
+@needs_kernel
+def test_engine_steps_mode_prints_both_modules_steps(tmp_path, capsys):
+    module = str(Path(native.extension().__file__))
+    rows = kernel_ab.main(["--old", module, "--engine", "builtin", "--cache", str(tmp_path), "--requests", "2",
+                           "--prefix", "64", "--suffix", "16", "--steps", "4", "--threads", "1"])
+    assert rows[0]["steps"] == {"old": 2, "new": 2} and rows[0]["ratio"] > 0
+    assert rows[0]["kernels"] and all(k["old_s"] > 0 and k["new_s"] > 0 for k in rows[0]["kernels"].values())
+    out = capsys.readouterr().out
+    assert "decode step" in out and all(name in out for name in rows[0]["kernels"])
+
+
+@pytest.mark.parametrize("bad", [["--steps", "4"], ["--engine", "builtin", "--steps", "1"]])
+def test_steps_needs_the_engine_and_two_steps(bad, capsys):
+    with pytest.raises(SystemExit):
+        kernel_ab.main(["--old", "x.so", *bad])
+    assert "--steps" in capsys.readouterr().err
