@@ -222,6 +222,22 @@ static at::Tensor mla_decode(const at::Tensor& q, const at::Tensor& c, const at:
   return out.reshape({T, -1});
 }
 
+// Qwen3-Next's sparse MoE layer (models/qwen3_next.py SparseMoE) in one call: the router and the
+// shared expert's gate as one projection (`router`: packed by pack_bf16 / pack_f32, E + 1 outputs),
+// softmax top-k of the E router logits, the shared gate's sigmoid, then the experts (moe_bf16 /
+// moe_f32 with the shared one): the calls the Python path makes, with its arguments, so its bits.
+static at::Tensor softmax_moe(const at::Tensor& x, const at::Tensor& router, int64_t E, int64_t k, bool renorm,
+                              const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& shared_gu,
+                              const at::Tensor& shared_dn) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto none = at::empty({0}, x.options().dtype(at::kFloat));
+  const auto logits = (bf16 ? linear_bf16 : linear_f32)(x, router, E + 1, none);  // [T, E + 1]
+  const auto [weight, idx] = topk_softmax(logits.narrow(1, 0, E), k, renorm);
+  const auto scale = at::sigmoid(logits.narrow(1, E, 1));  // [T, 1], contiguous
+  return (bf16 ? moe_bf16 : moe_f32)(x, idx, weight.to(x.scalar_type()), gate_up, down, "silu", shared_gu, shared_dn,
+                                     scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the kernels touch no Python object: other threads (the server's event loop) run meanwhile
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -266,5 +282,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_decode", &attention_decode, nogil, "a GQA layer's decode rows: norms and RoPE, KV write, attention, gate");
   m.def("mamba_decode", &mamba_decode, nogil, "a Mamba2 layer's decode rows: conv, dt, SSD step, gated grouped norm");
   m.def("mla_decode", &mla_decode, nogil, "an absorbed MLA layer's decode rows: latent write, absorbed attention");
+  m.def("softmax_moe", &softmax_moe, nogil, "a sparse MoE layer: router and shared gate, softmax top-k, experts");
   m.def("matmul", &matmul, "C = alpha op(A) op(B) + beta C in place through the kernels' mm (for the tests)");
 }

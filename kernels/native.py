@@ -388,13 +388,19 @@ def router_logits(x, weight) -> torch.Tensor | None:
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """t as contiguous fp32; t itself when it already is (no op dispatched: these wrappers run
-    hundreds of times a decode step). A parameter's copy (a bf16 norm or conv weight) is made
-    once and kept while the parameter is unchanged."""
+    hundreds of times a decode step). The copy of a parameter or of a view of one (a bf16 norm
+    weight; a conv weight's `[:, 0]`, made anew by every forward) is made once and kept while the
+    parameter is unchanged."""
     if t.dtype == torch.float32 and t.is_contiguous():
         return t
-    if isinstance(t, torch.nn.Parameter):
-        return _packed(t, lambda: t.detach().float().contiguous(), FP32)
-    return t.float().contiguous()
+    base = t if isinstance(t, torch.nn.Parameter) else t._base
+    if not isinstance(base, torch.nn.Parameter):
+        return t.float().contiguous()
+    copies = _packed(base, dict, FP32)  # this version's copies, one per view
+    view = (t.storage_offset(), tuple(t.shape), t.stride())
+    if (out := copies.get(view)) is None:
+        out = copies[view] = t.detach().float().contiguous()
+    return out
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -571,6 +577,28 @@ def moe_runs(x: torch.Tensor) -> bool:
     weights for it only then)."""
     grad = torch.is_grad_enabled() and x.requires_grad
     return x.device.type == "cpu" and not grad and _experts_kernel(x.dtype)[0] is not None
+
+
+def softmax_moe(x, router, k: int, renorm: bool, gate_up, down, shared) -> torch.Tensor | None:
+    """models/qwen3_next.py's SparseMoE in one call (native.cpp): x [T, D] through `router` [E + 1, D]
+    (the router's E rows, then the shared expert's gate), softmax top-k of the first E outputs
+    (renormalised with `renorm`), sigmoid of the last, then the experts' stacks gate_up [E, 2I, D]
+    and down [E, D, I] with the shared expert shared = (gate_up [2I', D], down [D, I']) scaled by
+    it: the kernels linear, topk_softmax and moe run one by one, so their bits; None where one of
+    them would not run that way (the caller takes the steps)."""
+    dt = x.dtype
+    grad = torch.is_grad_enabled() and (x.requires_grad or router.requires_grad)
+    ok = x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() and not grad and router.stride(1) == 1
+    ok = ok and all(t.dtype == dt and t.stride(-1) == 1 for t in (router, gate_up, down, *shared))
+    ok = ok and (dt != torch.bfloat16 or all(n % 2 == 0 for n in (x.shape[1], down.shape[2], shared[1].shape[1])))
+    ext, kind = _experts_kernel(dt) if ok else (None, "")
+    if ext is None:
+        return None
+    pack = getattr(ext, f"pack_{kind}")
+    experts = getattr(ext, f"pack_experts_{kind}")
+    gu, dn = _packed(gate_up, lambda: experts(gate_up, down), also=(down,))
+    sgu, sdn = _packed(shared[0], lambda: experts(shared[0][None], shared[1][None]), also=(shared[1],))
+    return ext.softmax_moe(x, _packed(router, lambda: pack(router)), router.shape[0] - 1, k, renorm, gu, dn, sgu, sdn)
 
 
 def moe(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:

@@ -12,9 +12,10 @@ from kernels import native
 from kernels.gdn import CHUNK
 from models.batch import ForwardBatch
 from models.config import ModelConfig
+from models.layers import linear
 from models.layers.context_parallel import store_kv
 from models.layers.linear import Linear, fused_linear
-from models.layers.mlp import GatedMLP, run_experts
+from models.layers.mlp import GatedMLP, compiled_experts, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
 from models.layers.state import delta_decode, delta_inputs, delta_rule, short_conv
@@ -196,6 +197,13 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         se = self.shared_expert
+        compiled = compiled_experts(x, self.experts, se) if linear.ENABLED else None
+        if compiled is not None:  # the steps below in one compiled call (the same bits)
+            (stacks, own), router = compiled, linear.fuse((self.gate, self.shared_expert_gate))
+            out = None if router.bias is not None else native.softmax_moe(
+                x, router.weight, self.top_k, self.renorm, stacks.gate_up, stacks.down, own)
+            if out is not None:
+                return out
         logits, shared_gate = fused_linear(x, self.gate, self.shared_expert_gate)
         routed = native.topk_softmax(logits, self.top_k, self.renorm)
         if routed is None:

@@ -114,17 +114,30 @@ def run_experts(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, weig
     rows, no padding), the shared expert with them: in bf16 with the same roundings, in fp32
     within fp32 rounding (its matmuls sum in their own order).
     """
-    if hasattr(experts[0], "parts") and native.moe_runs(x):
-        w = stack_experts(experts)
-        own = None if shared is None else _shared_weights(shared)
-        if w.gate_up is not None and w.act is ACTS["silu"] and (shared is None or own is not None):
-            out = native.moe(x, idx, weight, w.gate_up, w.down, "silu", own, scale)
-            if out is not None:
-                return out
+    compiled = compiled_experts(x, experts, shared)
+    if compiled is not None:
+        w, own = compiled
+        out = native.moe(x, idx, weight, w.gate_up, w.down, "silu", own, scale)
+        if out is not None:
+            return out
     out = _run_experts(x, experts, idx, weight)
     if shared is None:
         return out
     return out + (shared(x) if scale is None else scale * shared(x))
+
+
+def compiled_experts(x: torch.Tensor, experts: nn.ModuleList, shared: GatedMLP | None = None) -> \
+        tuple[Stacked, tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """(the experts' stacks, the shared expert's weights or None) where the compiled experts call
+    (kernels/native.py moe) can run them on x: gated silu experts without biases exposing parts(),
+    such a shared expert if there is one, and the kernels built for x's dtype; else None."""
+    if not (hasattr(experts[0], "parts") and native.moe_runs(x)):
+        return None
+    w = stack_experts(experts)
+    own = None if shared is None else _shared_weights(shared)
+    if w.gate_up is None or w.act is not ACTS["silu"] or (shared is not None and own is None):
+        return None
+    return w, own
 
 
 def _shared_weights(shared: GatedMLP) -> tuple[torch.Tensor, torch.Tensor] | None:

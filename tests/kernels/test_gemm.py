@@ -333,3 +333,49 @@ def test_kernels_leave_the_denormal_mode_of_torch_threads():
     tiny = torch.full((1 << 20,), 1e-39)  # big enough for torch to split it over its threads
     assert bool(((tiny * 1.0) == 1e-39).all())
     assert float(torch.tensor(1e-39) * 1.0) != 0.0
+
+
+def qwen3_next_moe(dtype: torch.dtype, renorm: bool):
+    from types import SimpleNamespace
+
+    from models.qwen3_next import SparseMoE
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=64, hidden_act="silu", num_experts_per_tok=2, norm_topk_prob=renorm,
+                          num_experts=6, moe_intermediate_size=48, shared_expert_intermediate_size=40)
+    return SparseMoE(cfg).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_sparse_moe_in_one_call_is_its_steps_bit_for_bit(monkeypatch, dtype, renorm, tokens):
+    """Qwen3-Next's MoE layer as one compiled call (router and shared gate, softmax top-k, sigmoid,
+    experts) gives the bits of the same kernels called one by one from Python."""
+    ext = native._experts_kernel(dtype)[0]
+    if ext is None:
+        pytest.skip(f"no compiled experts for {dtype} on this CPU")
+    layer = qwen3_next_moe(dtype, renorm)
+    x = torch.randn(tokens, 64).to(dtype)
+    calls = []
+    real = native.softmax_moe
+    monkeypatch.setattr(native, "softmax_moe", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = layer(x)
+        assert calls  # the one-call path ran
+        monkeypatch.setattr(native, "softmax_moe", lambda *a: None)
+        want = layer(x)
+    assert torch.equal(got, want)
+
+
+def test_sparse_moe_takes_its_steps_where_the_call_cannot_run(monkeypatch):
+    """With autograd on the input, or the fused projections off for a comparison, the layer runs
+    its steps (and the one-call wrapper refuses what it cannot run)."""
+    layer = qwen3_next_moe(torch.float32, True)
+    monkeypatch.setattr(native, "softmax_moe", lambda *a: pytest.fail("the one-call path ran"))
+    x = torch.randn(5, 64, requires_grad=True)
+    layer(x).sum().backward()
+    from models.layers import linear as linear_layer
+    monkeypatch.setattr(linear_layer, "ENABLED", False)
+    with torch.no_grad():
+        layer(x.detach())

@@ -909,6 +909,21 @@ def test_f32_copy_of_a_parameter_is_made_once_and_follows_writes():
     assert native._f32(x) is not native._f32(x)
 
 
+def test_f32_copy_of_a_parameters_view_is_kept_per_view():
+    """A view of a bf16 parameter made anew by each forward (a conv weight's [:, 0]) gets one fp32
+    copy per view, kept across calls, made anew when the parameter is written in place."""
+    w = torch.nn.Parameter(torch.randn(16, 1, 4).bfloat16(), requires_grad=False)
+    first = native._f32(w[:, 0])
+    assert torch.equal(first, w[:, 0].float()) and first.is_contiguous()
+    assert native._f32(w[:, 0]) is first  # a new view object, the same view
+    rows = native._f32(w[4:, 0])
+    assert rows is not first and torch.equal(rows, w[4:, 0].float())
+    with torch.no_grad():
+        w.add_(1)
+    again = native._f32(w[:, 0])
+    assert again is not first and torch.equal(again, w[:, 0].float())
+
+
 @needs_kernel
 def test_sigmoid_gate_is_torchs_bf16_ops_bit_for_bit():
     """o * sigmoid(gate) in one pass gives torch's bf16 ops' bits for every bf16 gate value (all
