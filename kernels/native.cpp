@@ -238,6 +238,18 @@ static at::Tensor softmax_moe(const at::Tensor& x, const at::Tensor& router, int
                                      scale);
 }
 
+// Kimi Linear's MoE layer with one expert group (models/kimi_linear.py KimiMoE) in one call: the
+// router's fp32 logits (`router` fp32 [E, D]), their sigmoid, top-k by score + `bias`, then the
+// experts with the unscaled shared expert (or none): the Python path's calls and arguments.
+static at::Tensor scores_moe(const at::Tensor& x, const at::Tensor& router, const at::Tensor& bias, int64_t k,
+                             bool renorm, double scaling, const at::Tensor& gate_up, const at::Tensor& down,
+                             const at::Tensor& shared_gu, const at::Tensor& shared_dn) {
+  const auto [weight, idx] = topk_scores(router_logits(x, router).sigmoid(), bias, k, renorm, scaling);
+  return (x.scalar_type() == at::kBFloat16 ? moe_bf16 : moe_f32)(
+      x, idx, weight.to(x.scalar_type()), gate_up, down, "silu", shared_gu, shared_dn,
+      at::empty({0}, x.options().dtype(at::kFloat)));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the kernels touch no Python object: other threads (the server's event loop) run meanwhile
   const auto nogil = py::call_guard<py::gil_scoped_release>();
@@ -283,5 +295,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mamba_decode", &mamba_decode, nogil, "a Mamba2 layer's decode rows: conv, dt, SSD step, gated grouped norm");
   m.def("mla_decode", &mla_decode, nogil, "an absorbed MLA layer's decode rows: latent write, absorbed attention");
   m.def("softmax_moe", &softmax_moe, nogil, "a sparse MoE layer: router and shared gate, softmax top-k, experts");
+  m.def("scores_moe", &scores_moe, nogil, "a sparse MoE layer: router scores, biased top-k, experts");
   m.def("matmul", &matmul, "C = alpha op(A) op(B) + beta C in place through the kernels' mm (for the tests)");
 }

@@ -579,6 +579,25 @@ def moe_runs(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not grad and _experts_kernel(x.dtype)[0] is not None
 
 
+def _experts(x, gate_up, down, shared) -> tuple[Any, str, tuple[torch.Tensor, ...]] | None:
+    """(extension, "bf16" or "f32", (gate_up, down, shared gate_up, shared down) packed) for the
+    compiled experts call on x [T, D] with the experts' stacks gate_up [E, 2I, D], down [E, D, I] and
+    shared = (gate_up [2I', D], down [D, I']) or None; None where the call cannot run them."""
+    dt = x.dtype
+    ok = x.device.type == "cpu" and dt == gate_up.dtype == down.dtype
+    ok = ok and (shared is None or all(t.dtype == dt and t.stride(-1) == 1 for t in shared))
+    pairs = [x.shape[1], down.shape[2], *(() if shared is None else (shared[1].shape[1],))]
+    ok = ok and (dt != torch.bfloat16 or all(n % 2 == 0 for n in pairs))  # bf16: VNNI pairs, even D and I
+    ext, kind = _experts_kernel(dt) if ok else (None, "")
+    if ext is None:
+        return None
+    pack = getattr(ext, f"pack_experts_{kind}")
+    gu, dn = _packed(gate_up, lambda: pack(gate_up, down), also=(down,))
+    sgu, sdn = (EMPTY, EMPTY) if shared is None else \
+        _packed(shared[0], lambda: pack(shared[0][None], shared[1][None]), also=(shared[1],))
+    return ext, kind, (gu, dn, sgu, sdn)
+
+
 def softmax_moe(x, router, k: int, renorm: bool, gate_up, down, shared) -> torch.Tensor | None:
     """models/qwen3_next.py's SparseMoE in one call (native.cpp): x [T, D] through `router` [E + 1, D]
     (the router's E rows, then the shared expert's gate), softmax top-k of the first E outputs
@@ -586,19 +605,28 @@ def softmax_moe(x, router, k: int, renorm: bool, gate_up, down, shared) -> torch
     and down [E, D, I] with the shared expert shared = (gate_up [2I', D], down [D, I']) scaled by
     it: the kernels linear, topk_softmax and moe run one by one, so their bits; None where one of
     them would not run that way (the caller takes the steps)."""
-    dt = x.dtype
     grad = torch.is_grad_enabled() and (x.requires_grad or router.requires_grad)
-    ok = x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() and not grad and router.stride(1) == 1
-    ok = ok and all(t.dtype == dt and t.stride(-1) == 1 for t in (router, gate_up, down, *shared))
-    ok = ok and (dt != torch.bfloat16 or all(n % 2 == 0 for n in (x.shape[1], down.shape[2], shared[1].shape[1])))
-    ext, kind = _experts_kernel(dt) if ok else (None, "")
-    if ext is None:
+    ok = x.dim() == 2 and x.is_contiguous() and not grad and router.dtype == x.dtype and router.stride(1) == 1
+    found = _experts(x, gate_up, down, shared) if ok else None
+    if found is None:
         return None
+    ext, kind, packed = found
     pack = getattr(ext, f"pack_{kind}")
-    experts = getattr(ext, f"pack_experts_{kind}")
-    gu, dn = _packed(gate_up, lambda: experts(gate_up, down), also=(down,))
-    sgu, sdn = _packed(shared[0], lambda: experts(shared[0][None], shared[1][None]), also=(shared[1],))
-    return ext.softmax_moe(x, _packed(router, lambda: pack(router)), router.shape[0] - 1, k, renorm, gu, dn, sgu, sdn)
+    return ext.softmax_moe(x, _packed(router, lambda: pack(router)), router.shape[0] - 1, k, renorm, *packed)
+
+
+def scores_moe(x, router, bias, k: int, renorm: bool, scaling: float, gate_up, down, shared) -> torch.Tensor | None:
+    """models/kimi_linear.py's KimiMoE in one call (native.cpp), one expert group: router_logits of
+    x [T, D] against `router` [E, D], their sigmoid, topk_scores with the correction `bias` [E],
+    then the experts as softmax_moe runs them, the shared expert (or none) unscaled: the kernels
+    one by one, so their bits; None where one of them would not run that way."""
+    grad = torch.is_grad_enabled() and (x.requires_grad or router.requires_grad)
+    ok = x.dim() == 2 and x.is_contiguous() and not grad
+    found = _experts(x, gate_up, down, shared) if ok else None
+    if found is None:
+        return None
+    ext, _, packed = found
+    return ext.scores_moe(x, _f32(router), _f32(bias), k, renorm, scaling, *packed)
 
 
 def moe(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> torch.Tensor | None:
@@ -608,17 +636,10 @@ def moe(x, idx, weight, gate_up, down, act: str, shared=None, scale=None) -> tor
     linear_f32 runs); with shared = (gate_up [2I', D], down [D, I']) a shared expert every token
     runs, its output times scale [T, 1] (or 1) added in the same pass; None where the kernel
     cannot run."""
-    dt = x.dtype
-    ok = x.device.type == "cpu" and dt == gate_up.dtype == down.dtype and act == "silu"
-    ok = ok and (shared is None or all(t.dtype == dt and t.stride(-1) == 1 for t in shared))
-    ok = ok and (scale is None or (scale.dtype == dt and scale.numel() == x.shape[0]))
-    pairs = [x.shape[1], down.shape[2], *(() if shared is None else (shared[1].shape[1],))]
-    ok = ok and (dt != torch.bfloat16 or all(n % 2 == 0 for n in pairs))  # bf16: VNNI pairs, even D and I
-    ext, kind = _experts_kernel(dt) if ok else (None, "")
-    if ext is None:
+    ok = act == "silu" and (scale is None or (scale.dtype == x.dtype and scale.numel() == x.shape[0]))
+    found = _experts(x, gate_up, down, shared) if ok else None
+    if found is None:
         return None
-    pack, run = getattr(ext, f"pack_experts_{kind}"), getattr(ext, f"moe_{kind}")
-    gu, dn = _packed(gate_up, lambda: pack(gate_up, down), also=(down,))
-    sgu, sdn = (EMPTY, EMPTY) if shared is None else \
-        _packed(shared[0], lambda: pack(shared[0][None], shared[1][None]), also=(shared[1],))
-    return run(x.contiguous(), idx, weight.to(dt), gu, dn, act, sgu, sdn, EMPTY if scale is None else _dense(scale))
+    ext, kind, (gu, dn, sgu, sdn) = found
+    return getattr(ext, f"moe_{kind}")(x.contiguous(), idx, weight.to(x.dtype), gu, dn, act, sgu, sdn,
+                                       EMPTY if scale is None else _dense(scale))

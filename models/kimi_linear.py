@@ -13,7 +13,7 @@ from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.layers.context_parallel import store_kv
 from models.layers.linear import Linear, fused_linear, joined, stacked
-from models.layers.mlp import GatedMLP, GroupedTopKRouter, run_experts
+from models.layers.mlp import GatedMLP, GroupedTopKRouter, compiled_experts, run_experts
 from models.layers.model import CausalLM
 from models.layers.norm import GatedRMSNorm, RMSNorm
 from models.layers.state import delta_decode, delta_inputs, delta_rule, short_conv
@@ -228,7 +228,15 @@ class KimiMoE(nn.Module):
             ffn(expert, tp)
 
     def forward(self, x):
-        idx, w = self.gate(x)
+        gate = self.gate
+        compiled = compiled_experts(x, self.experts, self.shared_experts) if gate.groups == 1 else None
+        if compiled is not None:  # the steps below in one compiled call (the same bits)
+            stacks, own = compiled
+            out = native.scores_moe(x, gate.weight, gate.e_score_correction_bias, gate.top_k, gate.renorm,
+                                    gate.scaling, stacks.gate_up, stacks.down, own)
+            if out is not None:
+                return out
+        idx, w = gate(x)
         return run_experts(x, self.experts, idx, w, shared=self.shared_experts)
 
 

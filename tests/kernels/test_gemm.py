@@ -346,28 +346,6 @@ def qwen3_next_moe(dtype: torch.dtype, renorm: bool):
     return SparseMoE(cfg).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("renorm", [True, False])
-@pytest.mark.parametrize("tokens", [1, 40, 300])
-def test_sparse_moe_in_one_call_is_its_steps_bit_for_bit(monkeypatch, dtype, renorm, tokens):
-    """Qwen3-Next's MoE layer as one compiled call (router and shared gate, softmax top-k, sigmoid,
-    experts) gives the bits of the same kernels called one by one from Python."""
-    ext = native._experts_kernel(dtype)[0]
-    if ext is None:
-        pytest.skip(f"no compiled experts for {dtype} on this CPU")
-    layer = qwen3_next_moe(dtype, renorm)
-    x = torch.randn(tokens, 64).to(dtype)
-    calls = []
-    real = native.softmax_moe
-    monkeypatch.setattr(native, "softmax_moe", lambda *a: calls.append(1) or real(*a))
-    with torch.no_grad():
-        got = layer(x)
-        assert calls  # the one-call path ran
-        monkeypatch.setattr(native, "softmax_moe", lambda *a: None)
-        want = layer(x)
-    assert torch.equal(got, want)
-
-
 def test_sparse_moe_takes_its_steps_where_the_call_cannot_run(monkeypatch):
     """With autograd on the input, or the fused projections off for a comparison, the layer runs
     its steps (and the one-call wrapper refuses what it cannot run)."""
@@ -379,3 +357,46 @@ def test_sparse_moe_takes_its_steps_where_the_call_cannot_run(monkeypatch):
     monkeypatch.setattr(linear_layer, "ENABLED", False)
     with torch.no_grad():
         layer(x.detach())
+
+
+def kimi_moe(dtype: torch.dtype, renorm: bool):
+    from types import SimpleNamespace
+
+    from models.kimi_linear import KimiMoE
+
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=64, num_local_experts=6, moe_intermediate_size=48, n_shared_experts=1,
+                          num_experts_per_tok=2, n_group=1, topk_group=1, norm_topk_prob=renorm,
+                          routed_scaling_factor=2.446)
+    layer = KimiMoE(cfg)
+    with torch.no_grad():
+        layer.gate.weight.normal_(0, 0.1)
+        layer.gate.e_score_correction_bias.normal_(0, 0.1)
+    return layer.to(dtype)
+
+
+ONE_CALL_MOE = {"qwen3-next": (qwen3_next_moe, "softmax_moe"), "kimi": (kimi_moe, "scores_moe")}
+
+
+@pytest.mark.parametrize("model", list(ONE_CALL_MOE))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("tokens", [1, 40, 300])
+def test_moe_layer_in_one_call_is_its_steps_bit_for_bit(monkeypatch, model, dtype, renorm, tokens):
+    """Qwen3-Next's MoE layer (router and shared gate, softmax top-k, the gate's sigmoid, experts) and
+    Kimi Linear's (router logits, sigmoid, biased top-k, experts with the shared one) as one compiled
+    call each give the bits of the same kernels called one by one from Python."""
+    if native._experts_kernel(dtype)[0] is None:
+        pytest.skip(f"no compiled experts for {dtype} on this CPU")
+    make, name = ONE_CALL_MOE[model]
+    layer = make(dtype, renorm)
+    x = torch.randn(tokens, 64).to(dtype)
+    calls = []
+    real = getattr(native, name)
+    monkeypatch.setattr(native, name, lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = layer(x)
+        assert calls  # the one-call path ran
+        monkeypatch.setattr(native, name, lambda *a: None)
+        want = layer(x)
+    assert torch.equal(got, want)
