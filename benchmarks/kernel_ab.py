@@ -401,6 +401,10 @@ def engine_steps(model: str, old, new, cache: Path, requests: int, prefix: int, 
     from hybridserve import LLM, SamplingParams
     from scheduler.request import Status
 
+    missing = sorted(n for n in dir(new) if not n.startswith("_") and callable(getattr(new, n)) and
+                     not hasattr(old, n))
+    if missing:  # the engine's wrappers would call them on the old module
+        raise SystemExit(f"--steps: the old module lacks {', '.join(missing)}: compare builds with the same kernels")
     row = next(r for r in peers.ROWS.values() if r.model == model)
     work = peers.workload(argparse.Namespace(requests=requests, prefix=prefix, suffix=suffix, new=steps), row.vocab)
     path = peers.checkpoint(model, cache)[0]

@@ -166,3 +166,19 @@ def test_steps_needs_the_engine_and_two_steps(bad, capsys):
     with pytest.raises(SystemExit):
         kernel_ab.main(["--old", "x.so", *bad])
     assert "--steps" in capsys.readouterr().err
+
+
+@needs_kernel
+def test_engine_steps_refuses_an_old_module_without_the_new_ones_kernels(tmp_path):
+    """The engine calls whatever kernels the checkout's wrappers call: an old build lacking one is
+    refused by name before anything runs, not failed on mid-step."""
+    new = native.extension()
+
+    class Older:
+        def __getattr__(self, name):
+            if name == "softmax_moe":
+                raise AttributeError(name)
+            return getattr(new, name)
+
+    with pytest.raises(SystemExit, match="softmax_moe"):
+        kernel_ab.engine_steps("builtin", Older(), new, tmp_path, requests=2, prefix=64, suffix=16, steps=2)
