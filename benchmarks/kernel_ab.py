@@ -341,6 +341,20 @@ class Both:
         return call
 
 
+def peer_engine(model: str, cache: Path, requests: int, prefix: int, suffix: int, tokens: int):
+    """An LLM on the model's peer checkpoint (dtype and prefix caching as in its first peer row),
+    warmed up on a short prompt, and the peer workload for it."""
+    from benchmarks import peers
+    from hybridserve import LLM, SamplingParams
+
+    row = next(r for r in peers.ROWS.values() if r.model == model)
+    work = peers.workload(argparse.Namespace(requests=requests, prefix=prefix, suffix=suffix, new=tokens), row.vocab)
+    llm = LLM(str(peers.checkpoint(model, cache)[0]), dtype=row.dtype, enable_prefix_cache=row.prefix_cache,
+              max_running=requests, memory_gb=peers.MEMORY_GB)
+    llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    return llm, work
+
+
 def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests: int, prefix: int, suffix: int,
                  tokens: int) -> list[dict]:
     """The peer workload once through the engine (dtype and prefix caching as in the model's first
@@ -348,19 +362,13 @@ def engine_calls(model: str, old, new, kernels: list[str], cache: Path, requests
     the calls of `kernels` made on both modules; per kernel: calls, summed seconds per module, their
     ratio and the largest output difference."""
     import models.batch
-    from benchmarks import peers
-    from hybridserve import LLM, SamplingParams
+    from hybridserve import SamplingParams
 
-    row = next(r for r in peers.ROWS.values() if r.model == model)
-    work = peers.workload(argparse.Namespace(requests=requests, prefix=prefix, suffix=suffix, new=tokens), row.vocab)
-    path = peers.checkpoint(model, cache)[0]
     both = Both(old, new, kernels)
     real, native.extension = native.extension, lambda: both  # type: ignore[assignment]
     fused, models.batch.FUSED_DECODE = models.batch.FUSED_DECODE, False
     try:
-        llm = LLM(str(path), dtype=row.dtype, enable_prefix_cache=row.prefix_cache, max_running=requests,
-                  memory_gb=peers.MEMORY_GB)
-        llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        llm, work = peer_engine(model, cache, requests, prefix, suffix, tokens)
         for r in both.rows.values():
             r.update(calls=0, old_s=0.0, new_s=0.0, max_diff=0.0)  # the measured calls only
         llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
@@ -397,25 +405,19 @@ def engine_steps(model: str, old, new, cache: Path, requests: int, prefix: int, 
     step reads the KV pages and recurrent states of every sequence, more than the caches hold, so a
     kernel bound by memory latency is timed on the caches the rest of the step left; `Both` calls
     each kernel twice in a row, and the second call finds the first one's rows in cache."""
-    from benchmarks import peers
-    from hybridserve import LLM, SamplingParams
+    from hybridserve import SamplingParams
     from scheduler.request import Status
 
     missing = sorted(n for n in dir(new) if not n.startswith("_") and callable(getattr(new, n)) and
                      not hasattr(old, n))
     if missing:  # the engine's wrappers would call them on the old module
         raise SystemExit(f"--steps: the old module lacks {', '.join(missing)}: compare builds with the same kernels")
-    row = next(r for r in peers.ROWS.values() if r.model == model)
-    work = peers.workload(argparse.Namespace(requests=requests, prefix=prefix, suffix=suffix, new=steps), row.vocab)
-    path = peers.checkpoint(model, cache)[0]
     result: dict = {"steps": {"old": [], "new": []}, "kernels": {"old": {}, "new": {}}}
     timed = {"old": Timed(old, result["kernels"]["old"]), "new": Timed(new, result["kernels"]["new"])}
     current = {"module": new}
     real, native.extension = native.extension, lambda: current["module"]  # type: ignore[assignment]
     try:
-        llm = LLM(str(path), dtype=row.dtype, enable_prefix_cache=row.prefix_cache, max_running=requests,
-                  memory_gb=peers.MEMORY_GB)
-        llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        llm, work = peer_engine(model, cache, requests, prefix, suffix, steps)
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
         for prompt in work["prompts"]:
