@@ -210,10 +210,6 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
         for (int64_t j = 0; j < run; ++j) krows[i + j] = key + j * k_row, vrows[i + j] = value + j * v_row;
       });
     };
-    // the lines of a row of `bytes` bytes, prefetched (a row is read whole)
-    auto prefetch = [](const T* row, int64_t bytes) {
-      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
-    };
     // visit(i, key row, value row) for the keys t0 + i, i < cnt, of KV head g, read in place
     auto each_key = [&](const int64_t* table, int64_t g, int64_t t0, int64_t cnt, auto visit) {
       page_runs(table, g, t0, cnt, [&](int64_t i0, const T* key, const T* v, int64_t run) {
@@ -221,8 +217,8 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
         const int64_t ld = latent ? k_row : v_row;
         for (int64_t i = 0; i < run; ++i) {
           if (i + AHEAD < run) {  // the rows AHEAD keys on
-            prefetch(key + (i + AHEAD) * k_row, Dk * int64_t(sizeof(T)));
-            if (!latent) prefetch(value + (i + AHEAD) * ld, Dv * int64_t(sizeof(T)));
+            prefetch_bytes(key + (i + AHEAD) * k_row, Dk * int64_t(sizeof(T)));  // a row is read whole
+            if (!latent) prefetch_bytes(value + (i + AHEAD) * ld, Dv * int64_t(sizeof(T)));
           }
           visit(i0 + i, key + i * k_row, value + i * ld);
         }
@@ -289,7 +285,8 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
             std::fill(krows.begin() + have, krows.begin() + cnt + FAR + 16, krows[have - 1]);
             std::fill(vrows.begin() + have, vrows.begin() + cnt + FAR + 16, vrows[have - 1]);
             for (int64_t i = 0; i < cnt; i += 16) {
-              for (int64_t j = i + LEAD; j < std::min(i + LEAD + 16, have); ++j) prefetch(krows[j], Dk * int64_t(sizeof(T)));
+              for (int64_t j = i + LEAD; j < std::min(i + LEAD + 16, have); ++j)
+                prefetch_bytes(krows[j], Dk * int64_t(sizeof(T)));
               for (int64_t j = i + FAR; j < std::min(i + FAR + 16, have); ++j) {
                 prefetch_l2_bytes(krows[j], Dk * int64_t(sizeof(T)));
                 if (!latent) prefetch_l2_bytes(vrows[j], Dv * int64_t(sizeof(T)));
