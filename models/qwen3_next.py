@@ -169,8 +169,9 @@ class GatedAttention(nn.Module):
         attn = kernels.get("attention", x.device)
         o = attn(q, caches["k"], caches["v"], batch.page_table, batch.cu_seqlens, batch.seq_lens,
                  self.d**-0.5)  # [T, H, D]
-        gated = native.sigmoid_gate(o.reshape(t, -1), gate.reshape(t, -1))  # one pass on CPU
-        return self.o_proj(o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)) if gated is None else gated)
+        o, gate = o.reshape(t, -1), gate.reshape(t, -1)
+        gated = native.sigmoid_gate(o, gate)  # one pass on CPU
+        return self.o_proj(o * torch.sigmoid(gate) if gated is None else gated)
 
     @staticmethod
     def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
