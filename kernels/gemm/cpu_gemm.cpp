@@ -457,12 +457,36 @@ void combine_row(const O* Y, const float* wc, int64_t k, const O* shared, float 
   }
 }
 
+// m rows of one expert (a [m, D], rows D apart; m <= BM) through its packed gate and up blocks
+// gate [2 NI, D, BN] (act(gate) * up into H, rows NI BN apart) and down [ND, I, BN], output row r
+// to out_row(r). G, U [BM, BN] and C are the thread's scratch.
+template <typename E, typename Row>
+void expert_rows(const E* a, int64_t m, int64_t D, const E* gate, int64_t NI, const E* down, int64_t ND, int64_t I,
+                 E* H, float* G, float* U, float* C, Row out_row) {
+  const int64_t ld = NI * BN;
+  for (int64_t b = 0; b < NI; ++b) {  // h = act(gate) * up
+    micro(m, D, a, D, gate + b * D * BN, G);
+    micro(m, D, a, D, gate + (NI + b) * D * BN, U);
+    for (int64_t r = 0; r < m; ++r) gated(G + r * BN, U + r * BN, &H[r * ld + b * BN]);
+  }
+  row_block(H, ld, m, I, down, ND, D, nullptr, C, out_row);
+}
+
+// Tokens per work item of moe()'s prefill path: the block's expert outputs (TB k rows), its
+// shared expert's (TB rows) and its rows of x stay in L2 from the products to the combine.
+constexpr int64_t TB = 128;
+
 // moe_bf16 and moe_f32 (E: their dtype; their comment below): each (token, choice) row to its
-// expert, a work item (expert, block of up to BM of its rows) at a time, then the combine.
+// expert, then each token's choices combined. At decode sizes a work item is (expert, block of up
+// to BM of its rows) over the whole batch, the combine a pass of its own; from 2 TB tokens a
+// thread, a work item is a block of TB tokens run whole (its rows by expert, the shared expert,
+// the combine), so no expert output leaves the cache. Each output row is the same micro-kernel
+// sums and roundings either way: the same bits.
 template <typename E>
 at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weight, const at::Tensor& gate_up,
                const at::Tensor& down, const std::string& act, const at::Tensor& shared_gu,
                const at::Tensor& shared_dn, const at::Tensor& scale, const char* name) {
+  using O = std::conditional_t<std::is_same_v<E, BFloat16>, uint16_t, float>;  // outputs as out_rows holds them
   const auto dtype = c10::CppTypeToScalarType<E>::value;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.is_contiguous(), name, ": contiguous x [T, D] in ", dtype);
   TORCH_CHECK(act == "silu", name, ": act must be silu");
@@ -480,77 +504,105 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& wei
   auto id = idx.to(at::kLong).contiguous();
   auto w = weight.to(at::kFloat).contiguous();
   const int64_t* ip = id.data_ptr<int64_t>();
-  // rows of each expert in (token, choice) order; a work item is (expert, block of BM of its rows),
-  // expert E_ the shared one (its rows the tokens)
-  std::vector<int64_t> start(E_ + 1, 0), rows(T * k);
-  for (int64_t f = 0; f < T * k; ++f) {
-    TORCH_CHECK(ip[f] >= 0 && ip[f] < E_, name, ": expert id out of range");
-    ++start[ip[f] + 1];
+  for (int64_t f = 0; f < T * k; ++f) TORCH_CHECK(ip[f] >= 0 && ip[f] < E_, name, ": expert id out of range");
+  const int64_t threads = at::get_num_threads();
+  const bool blocks = T >= 2 * TB * threads;
+  // rows of each expert in (token, choice) order: rows[start[e] ..] of tokens [t0, t1)
+  auto by_expert = [&](int64_t t0, int64_t t1, int64_t* start, int64_t* rows) {
+    std::fill(start, start + E_ + 1, 0);
+    for (int64_t f = t0 * k; f < t1 * k; ++f) ++start[ip[f] + 1];
+    for (int64_t e = 0; e < E_; ++e) start[e + 1] += start[e];
+    for (int64_t f = t0 * k; f < t1 * k; ++f) rows[start[ip[f]]++] = f;
+    for (int64_t e = E_; e > 0; --e) start[e] = start[e - 1];
+    start[0] = 0;
+  };
+  // decode sizes: a work item is (expert, first row in `rows` or token for E_, rows), expert E_
+  // the shared one (its rows the tokens); prefill: (first token of a block of TB)
+  std::vector<int64_t> start(E_ + 1), rows(blocks ? 0 : T * k);
+  std::vector<std::array<int64_t, 3>> items;
+  if (blocks) {
+    for (int64_t t = 0; t < T; t += TB) items.push_back({-1, t, std::min(TB, T - t)});
+  } else {
+    by_expert(0, T, start.data(), rows.data());
+    if (shared) {  // first: the shared expert's items are the largest, and threads take items in order
+      // with fewer than BM tokens a thread (decode), the shared rows are split between the threads:
+      // as one item, one thread ran the shared expert while the other ran every routed one
+      const int64_t sb = T >= BM * threads ? BM : (T + threads - 1) / threads;
+      for (int64_t r = 0; r < T; r += sb) items.push_back({E_, r, std::min(sb, T - r)});
+    }
+    for (int64_t e = 0; e < E_; ++e)
+      for (int64_t r = start[e]; r < start[e + 1]; r += BM) items.push_back({e, r, std::min(BM, start[e + 1] - r)});
   }
-  for (int64_t e = 0; e < E_; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t f = 0; f < T * k; ++f) rows[fill[ip[f]]++] = f;
-  std::vector<std::array<int64_t, 3>> items;  // (expert, first row in `rows` or token for E_, rows)
-  if (shared) {  // first: the shared expert's items are the largest, and threads take items in order
-    // with fewer than BM tokens a thread (decode), the shared rows are split between the threads:
-    // as one item, one thread ran the shared expert while the other ran every routed one
-    const int64_t threads = at::get_num_threads(), sb = T >= BM * threads ? BM : (T + threads - 1) / threads;
-    for (int64_t r = 0; r < T; r += sb) items.push_back({E_, r, std::min(sb, T - r)});
-  }
-  for (int64_t e = 0; e < E_; ++e)
-    for (int64_t r = start[e]; r < start[e + 1]; r += BM) items.push_back({e, r, std::min(BM, start[e + 1] - r)});
-
-  auto y = at::empty({T * k, D}, x.options());  // expert output of each (token, choice)
-  auto sy = shared ? at::empty({T, D}, x.options()) : at::Tensor();  // the shared expert's, per token
+  auto y = at::empty({blocks ? 0 : T * k, D}, x.options());  // expert output of each (token, choice)
+  auto sy = shared && !blocks ? at::empty({T, D}, x.options()) : at::Tensor();  // the shared expert's, per token
+  auto out = at::empty({T, D}, x.options());
   const E* X = x.data_ptr<E>();
-  auto* Y = out_rows(y, E());
-  auto* S = shared ? out_rows(sy, E()) : nullptr;
+  O *Y = out_rows(y, E()), *S = sy.defined() ? out_rows(sy, E()) : nullptr, *OUT = out_rows(out, E());
+  const float* wp = w.data_ptr<float>();
+  const E* sp = scale.numel() ? scale.data_ptr<E>() : nullptr;
   const int64_t IP = std::max(gate_up.size(2), shared ? shared_gu.size(2) : 0) * BN;  // widest I, whole blocks
   // items differ in cost (rows, expert widths): each thread takes the next one not taken
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(threads, n_items), 1, [&](int64_t, int64_t) {
     FlushDenormals flush;
     // this thread's buffers, kept from call to call (a decode step's call is ~0.2 ms: filling
     // fresh ones with zeros each time was a few percent of it)
     thread_local std::vector<E> A, H;
     thread_local std::vector<float> C;
+    thread_local std::vector<O> YB, SB;  // a token block's expert and shared outputs
     A.resize(BM * D);
     H.resize(BM * IP);
     C.resize(std::min(GB, ND) * BM * BN);
     alignas(64) float G[BM * BN], U[BM * BN];
-    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
-      const auto [e, r0, m] = items[it];
-      const bool own = e == E_;  // the shared expert: x's rows in place, its own outputs
+    std::vector<int64_t> bstart(E_ + 1), brows(blocks ? TB * k : 0);
+    std::vector<float> acc(blocks ? D : 0);
+    // rows rws[0 .. m) (token, choice) of routed expert e, or tokens r0 .. r0 + m of the shared one
+    auto run = [&](int64_t e, const int64_t* rws, int64_t r0, int64_t m, auto out_row) {
+      const bool own = e == E_;
       const at::Tensor& gu = own ? shared_gu : gate_up;
       const at::Tensor& dn = own ? shared_dn : down;
-      const int64_t NI = gu.size(2), I = dn.size(2), ld = NI * BN;
       const E* a = X + r0 * D;
       if (!own) {
-        for (int64_t r = 0; r < m; ++r) std::memcpy(&A[r * D], X + rows[r0 + r] / k * D, D * sizeof(E));
+        for (int64_t r = 0; r < m; ++r) std::memcpy(&A[r * D], X + rws[r] / k * D, D * sizeof(E));
         a = A.data();
       }
-      const E* gate = gu.data_ptr<E>() + (own ? 0 : e) * 2 * NI * D * BN;
-      for (int64_t b = 0; b < NI; ++b) {  // h = act(gate) * up
-        micro(m, D, a, D, gate + b * D * BN, G);
-        micro(m, D, a, D, gate + (NI + b) * D * BN, U);
-        for (int64_t r = 0; r < m; ++r) gated(G + r * BN, U + r * BN, &H[r * ld + b * BN]);
+      expert_rows(a, m, D, gu.data_ptr<E>() + (own ? 0 : e) * 2 * gu.size(2) * D * BN, gu.size(2),
+                  dn.data_ptr<E>() + (own ? 0 : e) * ND * dn.size(2) * BN, ND, dn.size(2), H.data(), G, U, C.data(),
+                  out_row);
+    };
+    for (int64_t it; (it = next.fetch_add(1, std::memory_order_relaxed)) < n_items;) {
+      const auto [e, r0, m] = items[it];
+      if (!blocks) {
+        if (e == E_)
+          run(e, nullptr, r0, m, [&](int64_t r) { return S + (r0 + r) * D; });
+        else
+          run(e, &rows[r0], 0, m, [&](int64_t r) { return Y + rows[r0 + r] * D; });
+        continue;
       }
-      row_block(H.data(), ld, m, I, dn.data_ptr<E>() + (own ? 0 : e) * ND * I * BN, ND, D, nullptr, C.data(),
-                [&](int64_t r) { return own ? S + (r0 + r) * D : Y + rows[r0 + r] * D; });
+      YB.resize(TB * k * D);
+      SB.resize(shared ? TB * D : 0);
+      by_expert(r0, r0 + m, bstart.data(), brows.data());
+      for (int64_t ex = 0; ex < E_; ++ex)
+        for (int64_t b = bstart[ex]; b < bstart[ex + 1]; b += BM)
+          run(ex, &brows[b], 0, std::min(BM, bstart[ex + 1] - b),
+              [&](int64_t r) { return YB.data() + (brows[b + r] - r0 * k) * D; });
+      if (shared)
+        for (int64_t t = r0; t < r0 + m; t += BM)
+          run(E_, nullptr, t, std::min(BM, r0 + m - t), [&](int64_t r) { return SB.data() + (t - r0 + r) * D; });
+      for (int64_t t = r0; t < r0 + m; ++t)
+        combine_row(YB.data() + (t - r0) * k * D, wp + t * k, k, shared ? SB.data() + (t - r0) * D : nullptr,
+                    sp ? as_float(sp[t]) : 1.f, D, acc.data(), OUT + t * D);
     }
     release();
   });
-  auto out = at::empty({T, D}, x.options());
-  const float* wp = w.data_ptr<float>();
-  const E* sp = scale.numel() ? scale.data_ptr<E>() : nullptr;
-  auto* O = out_rows(out, E());
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t t = begin; t < end; ++t)
-      combine_row(Y + t * k * D, wp + t * k, k, shared ? S + t * D : nullptr, sp ? as_float(sp[t]) : 1.f, D,
-                  acc.data(), O + t * D);
-  });
+  if (!blocks)
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(D);
+      for (int64_t t = begin; t < end; ++t)
+        combine_row(Y + t * k * D, wp + t * k, k, shared ? S + t * D : nullptr, sp ? as_float(sp[t]) : 1.f, D,
+                    acc.data(), OUT + t * D);
+    });
   return out;
 }
 
