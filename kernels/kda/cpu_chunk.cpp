@@ -21,6 +21,10 @@
 
 #include "../matmul.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -226,6 +230,42 @@ void keys(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, int64_t h,
   }
 }
 
+// The forward substitution inside a block: X_i = beta_i (X_i - sum over j in [b0, i) of
+// A[i, j] X_j) for the rows i of [b0, b1) in order (X [., V], A rows CHUNK apart, beta_i at
+// beta[i * bs]), each row's V values held in registers over its j: the loop it stands for (below,
+// for other widths) kept X_i in memory and waited on its own stores, the same fused
+// multiply-adds in the same order. False (nothing done) where V is not 16, 32, 48 or 64.
+template <int NV>
+void substitute_rows(float* X, const float* A, int64_t b0, int64_t b1, const float* beta, int64_t bs) {
+#if defined(__AVX512F__)
+  constexpr int64_t V = 16 * NV;
+  for (int64_t i = b0; i < b1; ++i) {
+    __m512 x[NV];
+    for (int n = 0; n < NV; ++n) x[n] = _mm512_loadu_ps(X + i * V + 16 * n);
+    for (int64_t j = b0; j < i; ++j) {
+      const __m512 a = _mm512_set1_ps(A[i * CHUNK + j]);
+      for (int n = 0; n < NV; ++n) x[n] = _mm512_fnmadd_ps(a, _mm512_loadu_ps(X + j * V + 16 * n), x[n]);
+    }
+    const __m512 b = _mm512_set1_ps(beta[i * bs]);
+    for (int n = 0; n < NV; ++n) _mm512_storeu_ps(X + i * V + 16 * n, _mm512_mul_ps(x[n], b));
+  }
+#endif
+}
+
+inline bool substitute(float* X, int64_t V, const float* A, int64_t b0, int64_t b1, const float* beta, int64_t bs) {
+#if defined(__AVX512F__)
+  switch (V) {
+    case 16: substitute_rows<1>(X, A, b0, b1, beta, bs); return true;
+    case 32: substitute_rows<2>(X, A, b0, b1, beta, bs); return true;
+    case 48: substitute_rows<3>(X, A, b0, b1, beta, bs); return true;
+    case 64: substitute_rows<4>(X, A, b0, b1, beta, bs); return true;
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
+
 // c tokens from packed row t0 of value head hv, whose key head's keys() are in w: outputs to o
 // (fp32 [T, HV, V]), S [K, V] advanced.
 template <typename T>
@@ -291,6 +331,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
   for (int64_t b0 = 0; b0 < c; b0 += BLK) {
     const int64_t b1 = std::min(c, b0 + BLK);
     if (b0) mm(false, false, b1 - b0, V, b0, -1.f, A_kk + b0 * CHUNK, CHUNK, X, V, 1.f, X + b0 * V, V);
+    if (substitute(X, V, A_kk, b0, b1, in.beta + t0 * s.HV + hv, s.HV)) continue;
     for (int64_t i = b0; i < b1; ++i) {
       float* Xi = X + i * V;
       for (int64_t j = b0; j < i; ++j) {
