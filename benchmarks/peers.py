@@ -403,7 +403,7 @@ def server_command(engine: str, row: Row, path: Path, port: int, args, profile: 
     cache = "--enable-prefix-cache" if row.prefix_cache else "--no-enable-prefix-cache"
     return [sys.executable, "-m", "hybridserve", "serve", str(path), "--port", str(port), "--dtype", dtype,
             "--max-running", str(args.requests), "--memory-gb", str(MEMORY_GB), "--cost-profile", str(profile),
-            cache, "--log-level", "warning"]
+            cache, "--log-level", "warning", *(["--target-step", str(args.target_step)] if args.target_step else [])]
 
 
 def bench_command(url: str, path: Path, args, seed: int, out: Path) -> list[str]:
@@ -512,6 +512,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--workload")
     ap.add_argument("--cost-profile", help="our cost profile (name or file) for every run; default: calibrated "
                                            "once per model")
+    ap.add_argument("--target-step", type=float, default=None,
+                    help="--serve: our server's predicted seconds a round (default: the server's, 0.1 s). Larger "
+                         "rounds prefill the burst sooner and later its first tokens: a TTFT / TPOT trade")
     return ap.parse_args(argv)
 
 
