@@ -554,6 +554,8 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& wei
     A.resize(BM * D);
     H.resize(BM * IP);
     C.resize(std::min(GB, ND) * BM * BN);
+    YB.resize(blocks ? TB * k * D : 0);
+    SB.resize(blocks && shared ? TB * D : 0);
     alignas(64) float G[BM * BN], U[BM * BN];
     std::vector<int64_t> bstart(E_ + 1), brows(blocks ? TB * k : 0);
     std::vector<float> acc(blocks ? D : 0);
@@ -580,8 +582,6 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& wei
           run(e, &rows[r0], 0, m, [&](int64_t r) { return Y + rows[r0 + r] * D; });
         continue;
       }
-      YB.resize(TB * k * D);
-      SB.resize(shared ? TB * D : 0);
       by_expert(r0, r0 + m, bstart.data(), brows.data());
       for (int64_t ex = 0; ex < E_; ++ex)
         for (int64_t b = bstart[ex]; b < bstart[ex + 1]; b += BM)

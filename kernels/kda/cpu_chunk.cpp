@@ -234,7 +234,7 @@ void keys(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, int64_t h,
 // A[i, j] X_j) for the rows i of [b0, b1) in order (X [., V], A rows CHUNK apart, beta_i at
 // beta[i * bs]), each row's V values held in registers over its j: the loop it stands for (below,
 // for other widths) kept X_i in memory and waited on its own stores, the same fused
-// multiply-adds in the same order. False (nothing done) where V is not 16, 32, 48 or 64.
+// multiply-adds in the same order. V = 16 NV.
 template <int NV>
 void substitute_rows(float* X, const float* A, int64_t b0, int64_t b1, const float* beta, int64_t bs) {
 #if defined(__AVX512F__)
@@ -252,6 +252,7 @@ void substitute_rows(float* X, const float* A, int64_t b0, int64_t b1, const flo
 #endif
 }
 
+// substitute_rows for V channels; false (nothing done) where V is not 16, 32, 48 or 64 or without AVX-512.
 inline bool substitute(float* X, int64_t V, const float* A, int64_t b0, int64_t b1, const float* beta, int64_t bs) {
 #if defined(__AVX512F__)
   switch (V) {

@@ -117,7 +117,6 @@ def test_served_workload_mirrors_the_offline_one():
     assert flags["--num-prompts"] == "4" and flags["--seed"] == "2" and flags["--ready-check-timeout-sec"] == "0"
 
 
-
 def test_served_round_target_reaches_only_our_server():
     """--target-step is passed to our server alone; without it the server keeps its default."""
     args = peers.parse_args([*SMALL, "--vllm-python", "python", "--target-step", "0.5"])
@@ -127,6 +126,7 @@ def test_served_round_target_reaches_only_our_server():
     assert "--target-step" not in peers.server_command("vllm", row, Path("m"), 1, args, "p.json")
     default = peers.parse_args([*SMALL, "--vllm-python", "python"])
     assert "--target-step" not in peers.server_command("hybridserve", row, Path("m"), 1, default, "p.json")
+
 
 def test_serve_table_ratios():
     """The served table's last line per row is our speed over vLLM's for every metric."""

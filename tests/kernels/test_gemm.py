@@ -304,10 +304,9 @@ def test_f32_moe_is_the_torch_path_within_fp32_rounding(monkeypatch, tokens, sha
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gated", [True, False])
-def test_moe_in_token_blocks_gives_the_bits_of_expert_items(dtype, gated):
+def test_moe_in_token_blocks_gives_the_bits_of_expert_items(monkeypatch, dtype, gated):
     """From 256 tokens a thread the experts call runs blocks of 128 tokens whole (routed rows,
     shared expert, combine) rather than (expert, rows) items over the batch: each token's output
     is the same bits as in a batch small enough for the items (a partial last block, skewed
@@ -323,13 +322,14 @@ def test_moe_in_token_blocks_gives_the_bits_of_expert_items(dtype, gated):
     scale = torch.sigmoid(torch.randn(tokens, 1)).to(dtype) if gated else None
     calls = []
     real = mlp.native.moe
-    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mlp.native, "moe", lambda *a: calls.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(mlp.native, "moe", lambda *a: calls.append(len(a[0])) or real(*a))
+    with torch.no_grad():
         whole = run_experts(x, experts, idx, w, shared=shared, scale=scale)
         parts = [run_experts(x[i : i + 100], experts, idx[i : i + 100], w[i : i + 100], shared=shared,
                              scale=None if scale is None else scale[i : i + 100]) for i in range(0, tokens, 100)]
     assert calls[0] == tokens and len(calls) == 1 + len(parts)  # the compiled call ran every time
     assert torch.equal(whole, torch.cat(parts))
+
 
 def test_f32_moe_refuses_what_it_cannot_run():
     """Mixed dtypes, another activation and a scale without a shared expert go to the torch path
