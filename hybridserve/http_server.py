@@ -9,11 +9,14 @@
                         JSON, or an error event and `data: [DONE]` on a stream); the exit
                         status is 128 + the signal's number (143 for SIGTERM, 130 for SIGINT)
     out of descriptors  logged once a minute, without tracebacks
+    garbage collection  what is alive once the server has started is frozen out of Python's
+                        collections, which then walk only newer objects (hybridserve/host.py)
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import threading
@@ -26,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from hybridserve.async_engine import AsyncEngine
 from hybridserve.config import EngineConfig
 from hybridserve.engine import Engine
+from hybridserve.host import freeze_heap
 from hybridserve.server import build_app
 from hybridserve.server_config import LOOPBACK, ServerConfig
 
@@ -136,6 +140,7 @@ class Server(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         asyncio.get_running_loop().set_exception_handler(_loop_exception)
         await super().startup(sockets)
+        log.debug("%d objects frozen out of garbage collection", freeze_heap())  # see hybridserve/host.py
 
     async def shutdown(self, sockets=None) -> None:
         drain = asyncio.create_task(self._drain())
@@ -143,6 +148,7 @@ class Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             drain.cancel()
+            gc.unfreeze()
 
     async def _drain(self) -> None:
         """After the grace period, stop the engine: whoever still waits gets its error."""

@@ -1,7 +1,10 @@
-"""hybridserve/host.py: the thread governor follows the cores other processes keep busy."""
+"""hybridserve/host.py: the thread governor follows the cores other processes keep busy; a
+frozen heap is out of the garbage collector's reach until it is unfrozen."""
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 from hybridserve import host
 from hybridserve.host import ThreadGovernor
@@ -142,3 +145,26 @@ def test_engine_governs_its_threads_and_reports_them():
         assert "threads" not in off.engine.stats()
     finally:
         torch.set_num_threads(before)
+
+
+class Node:
+    pass
+
+
+def test_frozen_heap_is_not_collected_until_unfrozen():
+    loop = Node()
+    loop.me = loop  # a reference cycle: only the collector frees it
+    alive = weakref.ref(loop)
+    garbage = Node()
+    garbage.me = garbage
+    gone = weakref.ref(garbage)
+    del garbage
+    try:
+        assert host.freeze_heap() > 0 and gone() is None  # collected first, then frozen
+        del loop
+        gc.collect()
+        assert alive() is not None  # unreachable, but frozen
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert alive() is None

@@ -5,6 +5,7 @@ project's protocol and limits) on a loopback port for the module, the built-in m
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import socket
@@ -57,6 +58,10 @@ def live(tmp_path_factory):
         yield SimpleNamespace(port=port, ae=ae, engine=engine, http=client)
     server.should_exit = True
     thread.join(30)
+
+
+def test_the_running_server_keeps_its_startup_heap_out_of_collections(live):
+    assert gc.get_freeze_count() > 0  # hybridserve/host.py freeze_heap, at startup; unfrozen at shutdown
 
 
 def wait_idle(live, timeout=20.0) -> None:
