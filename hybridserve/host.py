@@ -1,6 +1,6 @@
 """Process settings that CPU serving needs, applied before the work starts.
 
-Three defaults of a stock CPU process cost more than the model on small and medium batches:
+Four defaults of a stock CPU process cost more than the model on small and medium batches:
 
 - How OpenMP threads wait between parallel regions. libgomp's default spins for ~300,000
   iterations: on a machine where another process holds a core, every op then waits a
@@ -19,7 +19,7 @@ Three defaults of a stock CPU process cost more than the model on small and medi
   preload.
 - Python's full garbage collections walking every object alive. A serving process holds
   hundreds of thousands after start-up (torch, the model, the web stack), and one such pass
-  on the server's event loop took 180 ms while it held the GIL: the engine thread stalled
+  on the server's event loop took 183 ms while it held the GIL: the engine thread stalled
   mid-decode (the p99 inter-token latency of a served run). `freeze_heap()`, once the server
   has started, collects once and moves what is alive out of the collector's reach
   (`gc.freeze`); later passes walk only what came after. `gc.unfreeze()` at shutdown gives
