@@ -244,10 +244,10 @@ static at::Tensor softmax_moe(const at::Tensor& x, const at::Tensor& router, int
 static at::Tensor scores_moe(const at::Tensor& x, const at::Tensor& router, const at::Tensor& bias, int64_t k,
                              bool renorm, double scaling, const at::Tensor& gate_up, const at::Tensor& down,
                              const at::Tensor& shared_gu, const at::Tensor& shared_dn) {
+  const auto none = at::empty({0}, x.options().dtype(at::kFloat));  // no scale on the shared expert
   const auto [weight, idx] = topk_scores(router_logits(x, router).sigmoid(), bias, k, renorm, scaling);
-  return (x.scalar_type() == at::kBFloat16 ? moe_bf16 : moe_f32)(
-      x, idx, weight.to(x.scalar_type()), gate_up, down, "silu", shared_gu, shared_dn,
-      at::empty({0}, x.options().dtype(at::kFloat)));
+  return (x.scalar_type() == at::kBFloat16 ? moe_bf16 : moe_f32)(x, idx, weight.to(x.scalar_type()), gate_up, down,
+                                                                  "silu", shared_gu, shared_dn, none);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

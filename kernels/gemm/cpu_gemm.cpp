@@ -518,7 +518,7 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& wei
   };
   // decode sizes: a work item is (expert, first row in `rows` or token for E_, rows), expert E_
   // the shared one (its rows the tokens); prefill: (first token of a block of TB)
-  std::vector<int64_t> start(E_ + 1), rows(blocks ? 0 : T * k);
+  std::vector<int64_t> start(blocks ? 0 : E_ + 1), rows(blocks ? 0 : T * k);
   std::vector<std::array<int64_t, 3>> items;
   if (blocks) {
     for (int64_t t = 0; t < T; t += TB) items.push_back({-1, t, std::min(TB, T - t)});
