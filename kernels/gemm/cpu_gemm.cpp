@@ -557,7 +557,7 @@ at::Tensor moe(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& wei
     YB.resize(blocks ? TB * k * D : 0);
     SB.resize(blocks && shared ? TB * D : 0);
     alignas(64) float G[BM * BN], U[BM * BN];
-    std::vector<int64_t> bstart(E_ + 1), brows(blocks ? TB * k : 0);
+    std::vector<int64_t> bstart(blocks ? E_ + 1 : 0), brows(blocks ? TB * k : 0);
     std::vector<float> acc(blocks ? D : 0);
     // rows rws[0 .. m) (token, choice) of routed expert e, or tokens r0 .. r0 + m of the shared one
     auto run = [&](int64_t e, const int64_t* rws, int64_t r0, int64_t m, auto out_row) {
