@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from state_cache import huge_pages
 from state_cache.base import IntegrityError
 from state_cache.kv_pool import KVPool
 
@@ -68,7 +69,7 @@ class StatePool:
         self.buffers: list[dict[str, torch.Tensor]] = []
         if device is not None:
             self.buffers = [
-                {name: torch.zeros((self.num_slots, *shape), dtype=dtype, device=device)
+                {name: huge_pages.zeros((self.num_slots, *shape), dtype, device)
                  for name, (shape, dtype) in layer.items()}
                 for layer in self.layers
             ]
