@@ -50,16 +50,19 @@ def advise(t: torch.Tensor) -> bool:
 
 def mapping_flags(address: int) -> list[str]:
     """The VmFlags of the mapping of this process that holds `address` ("hg": advised onto huge
-    pages); [] where /proc/self/smaps has none."""
+    pages); [] where /proc/self/smaps is not there or lists none."""
     inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and head == "VmFlags:":
+                    return line.split()[1:]
+    except OSError:
+        pass
     return []
 
 
