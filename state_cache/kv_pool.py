@@ -7,7 +7,6 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
-from state_cache import huge_pages
 from state_cache.base import IntegrityError
 
 KVLayerSpec = Mapping[str, tuple[int, ...]]
@@ -52,7 +51,7 @@ class KVPool:
         if device is not None:
             self.buffers = [
                 {
-                    name: huge_pages.zeros((num_pages, page_size, *shape), dtype, device, pin_memory)
+                    name: torch.zeros((num_pages, page_size, *shape), dtype=dtype, device=device, pin_memory=pin_memory)
                     for name, shape in layer.items()
                 }
                 for layer in self.layers

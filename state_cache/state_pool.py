@@ -23,7 +23,6 @@ from typing import Mapping, Sequence
 
 import torch
 
-from state_cache import huge_pages
 from state_cache.base import IntegrityError
 from state_cache.kv_pool import KVPool
 
@@ -69,7 +68,7 @@ class StatePool:
         self.buffers: list[dict[str, torch.Tensor]] = []
         if device is not None:
             self.buffers = [
-                {name: huge_pages.zeros((self.num_slots, *shape), dtype, device)
+                {name: torch.zeros((self.num_slots, *shape), dtype=dtype, device=device)
                  for name, (shape, dtype) in layer.items()}
                 for layer in self.layers
             ]

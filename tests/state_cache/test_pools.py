@@ -198,28 +198,3 @@ def test_arena_checkpoints_live_in_kv_pages_bit_exact(page_size, layers, word):
     pool.free(direct)
     assert kv.num_free == kv.num_pages and pool.num_free_checkpoints == 1 and pool.num_used_checkpoints == 0
     pool.check_integrity()
-
-
-def _thp_offered() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _thp_offered(), reason="no transparent huge pages here (Linux, not 'never')")
-def test_pool_tensors_are_advised_onto_huge_pages_and_zeroed():
-    """Both pools' CPU tensors of 2 MB and more sit in mappings advised for huge pages ('hg'), and
-    are zeros; a small tensor and pinned memory are left alone."""
-    from state_cache import huge_pages
-
-    kv = KVPool(512, 64, [{"k": (2, 64), "v": (2, 64)}], torch.bfloat16, "cpu")  # 8 MB each
-    st = StatePool(64, 64, KDA, "cpu")  # recurrent: 128 slots x 64 KB
-    for t in (kv.buffers[0]["k"], kv.buffers[0]["v"], st.buffers[0]["recurrent"]):
-        inner = -(-t.data_ptr() // huge_pages.HUGE_PAGE) * huge_pages.HUGE_PAGE  # a whole 2 MB page inside t
-        last = t.data_ptr() + t.nbytes - huge_pages.HUGE_PAGE
-        assert "hg" in huge_pages.mapping_flags(inner) and "hg" in huge_pages.mapping_flags(last)
-        assert not t.any()
-    small = huge_pages.zeros((16, 16), torch.float32, "cpu")
-    assert not huge_pages.advise(small) and not small.any()
