@@ -115,6 +115,7 @@ def test_served_workload_mirrors_the_offline_one():
     lengths = [flags[f"--random-{k}-len"] for k in ("prefix", "input", "output")]
     assert lengths == ["32", "16", "4"]
     assert flags["--num-prompts"] == "4" and flags["--seed"] == "2" and flags["--ready-check-timeout-sec"] == "0"
+    assert "e2el" in flags["--percentile-metrics"].split(",")  # the client reports mean_e2el_ms only when asked
 
 
 def test_served_round_target_reaches_only_our_server():
