@@ -1,13 +1,14 @@
-"""AsyncEngine: the Engine on one background thread, requests and outputs over queues.
+"""AsyncEngine: a served engine's front, requests in and outputs out over asyncio queues.
 
-    asyncio side                      engine thread (the only caller of Engine)
-    add()      -> inbox ("add") --->  engine.add_request   (ValueError -> the add future)
-    abort()    -> inbox ("abort") ->  engine.abort         (pages and slot freed)
-    submit(fn) -> inbox ("call") -->  fn(engine)           (-> a concurrent Future)
-    per-request asyncio.Queue  <----  engine.step() outputs, one call_soon_threadsafe a step
-When nothing is unfinished the thread blocks on the inbox; a step that raises fails only
-the requests of the batch it was running, a row whose sampling raised fails only its
-request, and the loop goes on.
+    asyncio side                        engine side (hybridserve/engine_loop.py)
+    add()      -> ("add") ---------->   engine.add_request   (ValueError -> the add's await)
+    abort()    -> ("abort") -------->   engine.abort         (pages and slot freed)
+    submit(fn) -> ("call") --------->   fn(engine)           (-> a concurrent Future)
+    per-request asyncio.Queue  <-----   ("step") events: each step's outputs, one call_soon_threadsafe
+This class runs the engine on a background thread of this process; EngineProcess
+(hybridserve/engine_process.py) runs it in a child process behind the same front. Events
+arrive on one thread (the engine thread, or the thread reading the child's pipe), which alone
+delivers them; `info` (EngineInfo) is what the front knows of the engine without its model.
 
 On CPU the engine thread should be the only thread of the process that runs parallel torch
 work, so `AsyncEngine.build` constructs the engine (weights loaded, kernels built) on that
@@ -19,7 +20,7 @@ step of the Qwen3-Next peer checkpoint 1.5x slower (25-29 against 17-18 ms) and 
 bf16 linear 6x slower (100 against 17 us).
 
 Memory per request is bounded: the queue holds deltas (an unfinished output without the
-text and ids accumulated so far; the last one is whole), at most `backlog` of them; a
+prompt, text and ids accumulated so far; the last one is whole), at most `backlog` of them; a
 reader that falls further behind has its request aborted and gets an EngineError.
 """
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 from concurrent.futures import Future
 from typing import Callable, NamedTuple, Sequence
@@ -35,11 +35,12 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from hybridserve.engine import Engine
+from hybridserve.engine_info import EngineInfo
+from hybridserve.engine_loop import QueueInbox, serve_engine
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
 
 log = logging.getLogger("hybridserve.engine")
-STALL_WAIT_S = 0.005
 BACKLOG = 1024  # outputs a request's reader may fall behind before the request is aborted
 
 
@@ -61,22 +62,177 @@ class _Sink(NamedTuple):
     queue: asyncio.Queue  # RequestOutput | EngineError; put() only from the loop
 
 
-class AsyncEngine:
-    """Thread-safe front of an `Engine`. `threads` sets torch's intra-op threads on the
-    engine thread (None: leave as is); `backlog` bounds each request's queue of outputs."""
+class EngineFront:
+    """What a served engine's front does wherever the engine runs: requests in (add, abort,
+    submit), events out to per-request asyncio queues. A subclass runs the engine (alive,
+    start, shutdown) and carries commands to it (_post); `_event` receives its events on one
+    thread. `backlog` bounds each request's queue of outputs."""
 
-    def __init__(self, engine: Engine, threads: int | None = None, backlog: int = BACKLOG):
+    def __init__(self, info: EngineInfo, threads: int | None, backlog: int, stats: dict):
         if backlog < 1:
             raise ValueError(f"backlog must be >= 1, got {backlog}")
-        self.engine = engine
-        self.threads = threads
-        self.backlog = backlog
-        self.stats: dict = engine.stats()  # snapshot, refreshed by the engine thread
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
-        self._ids = itertools.count()
-        self._thread: threading.Thread | None = None
+        self.info, self.threads, self.backlog = info, threads, backlog
+        self.stats: dict = stats  # snapshot, refreshed by the engine's events
+        self._sinks: dict[str, _Sink] = {}  # rid -> its queue, once added
+        self._adds: dict[str, tuple[_Sink, Future]] = {}  # rid -> (its queue, the add's answer): sent, not answered
+        self._calls: dict[int, Future] = {}
+        self._ids, self._calls_n = itertools.count(), itertools.count()
         self._stopping = False
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        raise NotImplementedError
+
+    def _post(self, cmd: tuple | None) -> None:
+        raise NotImplementedError
+
+    # -- requests (any thread / the event loop) ------------------------------------------
+
+    async def add(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None
+                  ) -> "RequestStream":
+        """Add a request; ValueError (from the engine) for input it cannot serve. Iterate the
+        returned stream for its outputs; close() it to abort the request."""
+        rid = rid or f"r{next(self._ids)}"
+        sink, answer = _Sink(asyncio.get_running_loop(), asyncio.Queue()), Future[str]()
+        self._adds[rid] = (sink, answer)  # before the check: an engine closing after it fails the answer
+        if err := self._refusal():
+            self._adds.pop(rid, None)
+            raise err
+        self._post(("add", rid, prompt, params))
+        try:
+            await asyncio.wrap_future(answer)
+        except asyncio.CancelledError:
+            self.abort(rid)  # queued after the add: the engine sees them in this order
+            raise
+        return RequestStream(self, rid, sink.queue)
+
+    def abort(self, rid: str) -> None:
+        self._sinks.pop(rid, None)
+        self._adds.pop(rid, None)
+        if not self._stopping:
+            self._post(("abort", rid))
+
+    def submit(self, fn: Callable[[Engine], object]) -> Future:
+        """Run fn(engine) on the engine's side between steps; its result as a Future (for an
+        engine in another process fn must pickle: a module-level function or method)."""
+        fut: Future = Future()
+        n = next(self._calls_n)
+        self._calls[n] = fut
+        if err := self._refusal():
+            self._calls.pop(n, None)
+            fut.set_exception(err)
+        else:
+            self._post(("call", n, fn))
+        return fut
+
+    def _refusal(self) -> EngineError | None:
+        if self._stopping or not self.alive:
+            return EngineError("the engine is not running", "shutting_down")
+        return None
+
+    # -- events (the one thread that receives them) --------------------------------------
+
+    def _event(self, event: tuple) -> None:
+        kind, *args = event
+        if kind == "step":
+            outs, failed, self.stats = args
+            self._fail(failed)
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+            for o in outs:
+                sink = self._sinks.pop(o.rid, None) if o.finished else self._sinks.get(o.rid)
+                if sink is not None:
+                    by_loop.setdefault(sink.loop, []).append((sink.queue, o))
+            for loop, items in by_loop.items():
+                self._deliver(loop, items)
+        elif kind == "added":
+            rid, error = args
+            entry = self._adds.pop(rid, None)
+            if entry is None:  # aborted before the engine answered
+                return
+            if error is not None:
+                entry[1].set_exception(error)
+            else:
+                self._sinks[rid] = entry[0]
+                entry[1].set_result(rid)
+        elif kind == "result":
+            n, value, error = args
+            fut = self._calls.pop(n, None)
+            if fut is None:
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+        elif kind == "stats":
+            self.stats = args[0]
+        else:  # closed
+            self._close()
+
+    def _fail(self, rids) -> None:
+        """Hand each of rids (already aborted in the engine) an EngineError; the cause is in
+        the log, not in the error a client sees."""
+        err = EngineError(FAILED)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid in dict.fromkeys(rids):
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                by_loop.setdefault(sink.loop, []).append((sink.queue, err))
+        for loop, items in by_loop.items():
+            self._deliver(loop, items)
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        """Put (queue, item) pairs on their queues from the receiving thread; a closed loop drops
+        them. An error or a last output always goes in; an unfinished output that finds
+        `backlog` items waiting is replaced by an EngineError "slow_reader" and its request
+        aborted (later ones are dropped)."""
+        def put():
+            for q, item in items:
+                if isinstance(item, Exception) or item.finished or q.qsize() < self.backlog:
+                    q.put_nowait(item)
+                elif q.qsize() == self.backlog:
+                    q.put_nowait(EngineError(f"the client fell {self.backlog} outputs behind; the request was "
+                                             "aborted", "slow_reader"))
+                    self.abort(item.rid)
+
+        try:
+            loop.call_soon_threadsafe(put)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening
+
+    def _close(self) -> None:
+        """The engine stopped: whoever waits gets an EngineError."""
+        self._stopping = True
+        err = EngineError(STOPPED, "shutting_down")
+        for sink in list(self._sinks.values()):
+            self._deliver(sink.loop, [(sink.queue, err)])
+        self._sinks.clear()
+        for waiting in [*(f for _, f in list(self._adds.values())), *list(self._calls.values())]:
+            if not waiting.done():
+                waiting.set_exception(err)
+        self._adds.clear()
+        self._calls.clear()
+
+
+
+class AsyncEngine(EngineFront):
+    """The front of an `Engine` stepped on a background thread of this process. `threads` sets
+    torch's intra-op threads on the engine thread (None: leave as is)."""
+
+    def __init__(self, engine: Engine, threads: int | None = None, backlog: int = BACKLOG):
+        super().__init__(engine.info, threads, backlog, engine.stats())
+        self.engine = engine
+        self._inbox = QueueInbox()
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def build(cls, make: Callable[[], Engine], threads: int | None = None, backlog: int = BACKLOG
@@ -101,10 +257,6 @@ class AsyncEngine:
         return built.result()
 
     @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -118,173 +270,27 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is unfinished (its readers get EngineError "shutting_down"), stop the
-        thread and join it."""
+        engine and wait for it."""
         if self._thread is None or self._stopping:
             return
         self._stopping = True
-        self._inbox.put(None)
+        self._post(None)
         self._thread.join(timeout)
-
-    # -- requests (any thread / the event loop) ------------------------------------------
-
-    async def add(self, prompt: str | Sequence[int], params: SamplingParams, rid: str | None = None
-                  ) -> "RequestStream":
-        """Add a request; ValueError (from the engine) for input it cannot serve. Iterate the
-        returned stream for its outputs; close() it to abort the request."""
-        rid = rid or f"r{next(self._ids)}"
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        try:
-            await asyncio.wrap_future(self._send("add", rid, prompt, params, sink))
-        except asyncio.CancelledError:
-            self.abort(rid)  # queued after the add: the engine sees them in this order
-            raise
-        return RequestStream(self, rid, sink.queue)
-
-    def abort(self, rid: str) -> None:
-        if not self._stopping:
-            self._inbox.put(("abort", rid))
-
-    def submit(self, fn: Callable[[Engine], object]) -> Future:
-        """Run fn(engine) on the engine thread between steps; its result as a Future."""
-        return self._send("call", fn)
-
-    def _send(self, *cmd) -> Future:
-        fut: Future = Future()
-        if self._stopping or not self.alive:
-            fut.set_exception(EngineError("the engine is not running", "shutting_down"))
-        else:
-            self._inbox.put((*cmd, fut))
-        return fut
-
-    # -- engine thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         if self.threads:
             torch.set_num_threads(self.threads)
-        try:
-            self._loop()
-        except Exception:
-            log.exception("the engine loop died")
-        finally:
-            self._stopping = True
-            self._close()
+        serve_engine(self.engine, self._inbox, self._event)
 
-    def _loop(self) -> None:
-        engine, idle_wait = self.engine, None
-        while True:
-            if not engine.has_unfinished():
-                self.stats = engine.stats()
-                idle_wait = None  # block until a command arrives
-            try:
-                cmds = [self._inbox.get(timeout=idle_wait) if idle_wait != 0 else self._inbox.get_nowait()]
-            except queue.Empty:
-                cmds = []
-            while not self._inbox.empty():
-                cmds.append(self._inbox.get())
-            for cmd in cmds:
-                if cmd is None:
-                    return
-                self._handle(cmd)
-            rounds = engine.scheduler.counters["rounds"]
-            if engine.has_unfinished():
-                self._step()
-            # nothing could be scheduled (e.g. waiting for memory): wait a little, do not spin
-            idle_wait = 0 if engine.scheduler.counters["rounds"] > rounds else STALL_WAIT_S
-
-    def _handle(self, cmd: tuple) -> None:
-        kind, *args = cmd
-        if kind == "abort":
-            self._sinks.pop(args[0], None)
-            self.engine.abort(args[0])
-            return
-        *args, fut = args
-        try:
-            if kind == "add":
-                rid, prompt, params, sink = args
-                result = self.engine.add_request(prompt, params, rid, outputs="delta")
-                self._sinks[rid] = sink
-            else:
-                result = args[0](self.engine)
-        except Exception as e:  # ValueError: bad input; anything else belongs to the caller
-            fut.set_exception(e)
-        else:
-            fut.set_result(result)
-
-    def _step(self) -> None:
-        try:
-            outs = self.engine.step()
-        except Exception:
-            log.exception("engine step failed; failing its batch")
-            self._fail(self.engine.fail_inflight())
-            return
-        failed = self.engine.sampler.take_failures()
-        for rid, exc in failed.items():
-            log.error("sampling failed for request %s (%s: %s); failing that request", rid, type(exc).__name__, exc)
-            self.engine.abort(str(rid))
-        self._fail(failed)
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for o in outs:
-            sink = self._sinks.pop(o.rid, None) if o.finished else self._sinks.get(o.rid)
-            if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, o))
-        for loop, items in by_loop.items():
-            self._deliver(loop, items)
-        self.stats = self.engine.stats()
-
-    def _fail(self, rids) -> None:
-        """Hand each of rids (already aborted in the engine) an EngineError; the cause is in
-        the log, not in the error a client sees."""
-        err = EngineError(FAILED)
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for rid in dict.fromkeys(rids):
-            sink = self._sinks.pop(rid, None)
-            if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, err))
-        for loop, items in by_loop.items():
-            self._deliver(loop, items)
-
-    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
-        """Put (queue, item) pairs on their queues from the engine thread; a closed loop drops
-        them. An error or a last output always goes in; an unfinished output that finds
-        `backlog` items waiting is replaced by an EngineError "slow_reader" and its request
-        aborted (later ones are dropped)."""
-        def put():
-            for q, item in items:
-                if isinstance(item, Exception) or item.finished or q.qsize() < self.backlog:
-                    q.put_nowait(item)
-                elif q.qsize() == self.backlog:
-                    q.put_nowait(EngineError(f"the client fell {self.backlog} outputs behind; the request was "
-                                             "aborted", "slow_reader"))
-                    self.abort(item.rid)
-
-        try:
-            loop.call_soon_threadsafe(put)
-        except RuntimeError:
-            pass  # the loop is closed: nobody is listening
-
-    def _close(self) -> None:
-        """Abort what is unfinished; whoever waits gets an EngineError."""
-        try:
-            for rid in list(self.engine.requests):
-                self.engine.abort(rid)
-        except Exception:
-            log.exception("aborting the unfinished requests failed")
-        self.engine.close()  # a multi-rank engine's workers, if any
-        err = EngineError(STOPPED, "shutting_down")
-        for sink in self._sinks.values():
-            self._deliver(sink.loop, [(sink.queue, err)])
-        self._sinks.clear()
-        while not self._inbox.empty():
-            cmd = self._inbox.get()
-            if cmd and isinstance(cmd[-1], Future):
-                cmd[-1].set_exception(err)
+    def _post(self, cmd: tuple | None) -> None:
+        self._inbox.put(cmd)
 
 
 class RequestStream:
     """The outputs of one request, in order (an EngineError if it fails); close() aborts
     it if it has not finished."""
 
-    def __init__(self, engine: AsyncEngine, rid: str, outputs: asyncio.Queue):
+    def __init__(self, engine: EngineFront, rid: str, outputs: asyncio.Queue):
         self.engine, self.rid, self.queue = engine, rid, outputs
         self.finished = False
 

@@ -6,11 +6,11 @@ import itertools
 import logging
 import time
 from pathlib import Path
-from typing import Sequence, Union
 
 import torch
 
 from hybridserve.config import EngineConfig
+from hybridserve.engine_info import EngineInfo, Prompt
 from hybridserve.host import ThreadGovernor, keep_freed_memory
 from hybridserve.outputs import OUTPUTS, Detokenizer, RequestOutput, ids_decoder
 from hybridserve.parallel import ParallelRunner, Workers
@@ -31,7 +31,6 @@ BUILTIN_CPU = {torch.float32: "builtin_cpu", torch.bfloat16: "builtin_cpu_bf16"}
 # profiles ran at 0.63-0.82x of their predictions on a batch sharing a 1,024-token prefix (shared
 # pages are read once, which the profile does not price); the stale one that prompted it at 0.04-0.17x
 DRIFT_LIMIT = 3.0
-Prompt = Union[str, Sequence[int], dict]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": ...}
 
 
 class NoTokenizer:
@@ -121,10 +120,13 @@ class Engine:
             self.executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
         cost = self._with_host_link(self._cost_model()).context_parallel(config.context_parallel_size)
         self.scheduler = Scheduler(self.cache, config.scheduler, cost, time.monotonic)
+        self.info = EngineInfo(config, self.model_name, self.tokenizer, mc.vocab_size, self.max_model_len,
+                               self.scheduler.kv_capacity_tokens)
         # rid -> (req, its text, OUTPUTS kind, its logprobs so far: SamplingParams.logprobs set)
         self.requests: dict[str, tuple[Req, Detokenizer, str, list]] = {}
         self._ids = itertools.count()
         self.threads: ThreadGovernor | None = None  # made at the first round, on the thread that steps
+        self.cpu_partners: tuple[int, ...] = ()  # processes whose CPU time counts as ours (a server's front)
         self.drift: Drift | None = Drift()  # None once it has warned
         self.eos = set(mc.eos_token_ids) | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None
                                             else set())
@@ -169,37 +171,12 @@ class Engine:
     # -- requests ------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt, validated; ValueError names what is wrong. A prompt is text,
-        token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}."""
-        if isinstance(prompt, dict):
-            prompt = _unwrap(prompt)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: must not be empty")
-            return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompt: must be text or a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return ids
+        """Token ids of a prompt, validated (EngineInfo.encode)."""
+        return self.info.encode(prompt)
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> list[int]:
-        """The prompt's token ids if the engine can serve it with params; else ValueError."""
-        ids = self.encode(prompt)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                             f"context of {self.max_model_len} tokens")
-        pool = self.scheduler.kv_capacity_tokens
-        if len(ids) + params.max_tokens > pool:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the KV pool's "
-                             f"capacity of {pool} tokens: max_tokens may be at most {max(pool - len(ids), 0)} "
-                             f"for this prompt")
-        return ids
+        """The prompt's token ids if the engine can serve it with params; else ValueError (EngineInfo.validate)."""
+        return self.info.validate(prompt, params)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, rid: str | None = None,
                     outputs: str = "cumulative") -> str:
@@ -271,7 +248,7 @@ class Engine:
         if not self.config.adaptive_threads or torch.device(self.config.device).type != "cpu":
             return
         if self.threads is None:
-            self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads)
+            self.threads = ThreadGovernor(torch.get_num_threads(), torch.set_num_threads, partners=self.cpu_partners)
         self.threads.update()
 
     def _output(self, req: Req, logprob, new_token: bool = True) -> RequestOutput | None:
@@ -293,9 +270,9 @@ class Engine:
             return None
         new_ids = req.output_ids[-1:] if new_token else []
         whole = req.finished or kind == "cumulative"  # a delta leaves out what earlier steps returned
-        return RequestOutput(req.rid, req.input_ids, list(req.output_ids) if whole else [], detok.text if whole else "",
-                             new_ids, new_text, req.finished, req.finish_reason, req.cached_tokens,
-                             list(scored) if whole else [], [logprob] if logprob else [])
+        return RequestOutput(req.rid, req.input_ids if whole else [], list(req.output_ids) if whole else [],
+                             detok.text if whole else "", new_ids, new_text, req.finished, req.finish_reason,
+                             req.cached_tokens, list(scored) if whole else [], [logprob] if logprob else [])
 
     def fail_inflight(self) -> list[str]:
         """After a step raised: abort the requests of the rounds in flight (the scheduler frees
@@ -329,14 +306,3 @@ class Engine:
         if self.threads is not None:
             out["threads"] = {"threads": self.threads.threads, "others_busy": self.threads.others}
         return out
-
-
-def _unwrap(prompt: dict) -> str | Sequence[int]:
-    """The text or ids of a vLLM-style prompt dict."""
-    keys = set(prompt)
-    if keys == {"prompt"}:
-        return prompt["prompt"]
-    if keys == {"prompt_token_ids"}:
-        return prompt["prompt_token_ids"]
-    raise ValueError(f"prompt: a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids', got keys "
-                     f"{sorted(keys)}")

@@ -56,12 +56,16 @@ class ThreadGovernor:
     is dropped (the count kept, a new window begun). What others did while this process asked
     for nothing is not contention for its next rounds: a client starting up or building its
     requests, then waiting on the answers, would otherwise put the first rounds of every burst
-    on fewer threads."""
+    on fewer threads.
+
+    `partners`: processes whose CPU time counts as this one's (an engine process's server front:
+    its event loop works for the same requests, and is not contention to yield to)."""
 
     def __init__(self, ceiling: int, set_threads, interval: float = 0.2, clock=time.monotonic,
-                 stat_path: str = "/proc/stat", own_cpu=None):
+                 stat_path: str = "/proc/stat", own_cpu=None, partners: tuple[int, ...] = ()):
         self.ceiling, self.set_threads, self.interval, self.clock = ceiling, set_threads, interval, clock
-        self.stat_path, self.own_cpu = stat_path, own_cpu or (lambda: sum(os.times()[:2]))
+        self.stat_path = stat_path
+        self.own_cpu = own_cpu or (lambda: sum(os.times()[:2]) + sum(map(process_cpu, partners)))
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
         self.cpus = {f"cpu{c}" for c in allowed}
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # no /proc/stat there anyway
@@ -105,6 +109,16 @@ class ThreadGovernor:
             self.threads = threads
             self.set_threads(threads)
         return threads
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used; 0 where /proc cannot tell (it ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def freeze_heap() -> int:

@@ -26,9 +26,10 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from hybridserve.async_engine import AsyncEngine
+from hybridserve.async_engine import AsyncEngine, EngineFront
 from hybridserve.config import EngineConfig
 from hybridserve.engine import Engine
+from hybridserve.engine_process import EngineProcess
 from hybridserve.host import freeze_heap
 from hybridserve.server import build_app
 from hybridserve.server_config import LOOPBACK, ServerConfig
@@ -110,7 +111,7 @@ class GuardedH11Protocol(H11Protocol):
 class Server(uvicorn.Server):
     """uvicorn's server with the shutdown above; `exit_status` after `run()`."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float):
+    def __init__(self, config: uvicorn.Config, engine: EngineFront, grace: float):
         super().__init__(config)
         self.engine, self.grace = engine, grace
         self.signal: int | None = None
@@ -193,7 +194,10 @@ def serve(config: EngineConfig, server: ServerConfig | None = None, log_level: s
     """Build the engine from `config` and serve it until SIGINT / SIGTERM; the exit status."""
     server = server or ServerConfig()
     _raise_descriptor_limit(server.max_connections)
-    engine = AsyncEngine.build(lambda: Engine(config), backlog=server.stream_backlog)  # built on its thread
+    if server.engine_process:
+        engine: EngineFront = EngineProcess(config, backlog=server.stream_backlog)
+    else:
+        engine = AsyncEngine.build(lambda: Engine(config), backlog=server.stream_backlog)  # built on its thread
     app = build_app(engine, server)
     if not server.api_key and server.host not in LOOPBACK:
         log.warning("listening on %s without --api-key: anyone who can reach this address can use the server",
@@ -203,7 +207,7 @@ def serve(config: EngineConfig, server: ServerConfig | None = None, log_level: s
     try:
         s.run()
     finally:
-        engine.shutdown()  # a no-op after the drain; stops the thread if the server never started
+        engine.shutdown()  # a no-op after the drain; stops the engine if the server never started
     return s.exit_status
 
 

@@ -92,7 +92,7 @@ ROUTES = {
     "models": {"summary": "The served model", "responses": {
         200: {"description": "the model list", "content": {"application/json": {"schema": _ref("ModelList")}}},
         **_errors(400, 401)}},
-    "health": {"summary": "Liveness of the engine thread", "responses": {
+    "health": {"summary": "Liveness of the engine", "responses": {
         200: {"description": "the engine runs", "content": {"application/json": {"schema": _ref("Health")}}},
         **_errors(400, 503)}},
     "audit": {"summary": "Debug (--debug-integrity): flush the cache, check every pool, count what is held",
@@ -117,7 +117,7 @@ def openapi_schema(app: FastAPI) -> dict:
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        engine = app.state.engine.engine
+        engine = app.state.engine.info
         ranges = value_ranges(sorted({engine.model_name, engine.config.model}), engine.max_model_len - 1)
         for model in (CompletionRequest, ChatRequest):
             schema = model.model_json_schema(ref_template=REF)
@@ -126,7 +126,7 @@ def openapi_schema(app: FastAPI) -> dict:
                 for branch in prop.get("anyOf", [prop]):
                     branch.update(ranges.get(name, {}).get(branch.get("type"), {}))
             schemas[model.__name__] = schema
-        _constrain_prompt(schemas["CompletionRequest"]["properties"]["prompt"], engine.model_config.vocab_size - 1)
+        _constrain_prompt(schemas["CompletionRequest"]["properties"]["prompt"], engine.vocab_size - 1)
         schemas["ChatRequest"]["properties"]["messages"]["minItems"] = 1
         schemas.update(SCHEMAS)
         app.openapi_schema = doc

@@ -8,8 +8,9 @@ from hybridserve.sampling import find_stop
 
 # What Engine.step returns for a request (Engine.add_request's `outputs`):
 #   cumulative  every step: all tokens and text so far, and what this step added
-#   delta       every step: what it added (token_ids and text left empty, so a stream holds and
-#               copies O(tokens), not O(tokens^2)); the last output whole
+#   delta       every step: what it added (prompt_token_ids, token_ids and text left empty, so a
+#               stream holds and copies O(tokens), not O(tokens^2), and an engine in another
+#               process sends no prompt every step); the last output whole
 #   final       the last output only (LLM.generate, as vLLM's FINAL_ONLY), its text decoded once
 #               unless stop strings are watched for every step
 OUTPUTS = ("cumulative", "delta", "final")
@@ -28,8 +29,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step; `new_*` fields hold what this step added. `token_ids`,
-    `text` and `logprobs` are empty in a "delta" request's outputs but its last (OUTPUTS)."""
+    """A request's state after a step; `new_*` fields hold what this step added. `prompt_token_ids`,
+    `token_ids`, `text` and `logprobs` are empty in a "delta" request's outputs but its last (OUTPUTS)."""
 
     rid: str
     prompt_token_ids: list[int]

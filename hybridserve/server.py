@@ -1,12 +1,13 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics. `build_app(async_engine, config)` makes the FastAPI app (its lifespan
-starts the engine thread and stops it); hybridserve/http_server.py runs it under uvicorn.
+/health, /metrics. `build_app(engine_front, config)` makes the FastAPI app (its lifespan
+starts the engine and stops it: AsyncEngine, on a thread, or EngineProcess, in its own
+process); hybridserve/http_server.py runs it under uvicorn.
 
 Bad input is answered before the request runs, with a 4xx in the OpenAI error
 shape {"error": {"message", "type", "param", "code"}}; a client that goes away aborts its
 request, which frees its pages and slot. A request's body is read within its size limit on
 the event loop, then parsed, validated and tokenized on one worker thread (neither the
-event loop nor the engine thread waits for that); the engine thread gets token ids.
+event loop nor the engine waits for that); the engine gets token ids.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridserve.async_engine import AsyncEngine, EngineError, RequestStream
+from hybridserve.async_engine import EngineError, EngineFront, RequestStream
+from hybridserve.engine import Engine
 from hybridserve.guards import BearerAuth, HostCheck, error_response
 from hybridserve.metrics import Metrics, RequestTimer
 from hybridserve.openapi import openapi_schema, route_docs
@@ -41,13 +43,14 @@ JSON_TYPES = ("application/json",)
 QUEUE_TIMEOUT = "queue_timeout"  # the finish_reason of a request that waited past the scheduler's queue timeout
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig | None = None, **settings) -> FastAPI:
+def build_app(engine: EngineFront, config: ServerConfig | None = None, **settings) -> FastAPI:
     """The app serving `engine` under `config` (fields of ServerConfig may be given as
     keywords: build_app(engine, api_key=KEY)). With an API key every /v1 route requires it
     as a bearer token; the Host header is checked against `config.host_names`."""
     config = dataclasses.replace(config or ServerConfig(), **settings)
     metrics = Metrics(lambda: engine.stats)
-    names = {engine.model_name, engine.engine.config.model}
+    info = engine.info  # the engine runs on a thread of this process or in another (EngineProcess)
+    names = {info.model_name, info.config.model}
     worker = ThreadPoolExecutor(1, thread_name_prefix="hybridserve-parse")  # one: tokenizers are not reentrant
 
     @asynccontextmanager
@@ -82,16 +85,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, **setting
     @app.get("/health", **route_docs("health"))
     async def health():
         if not engine.alive:
-            raise APIError(503, "the engine thread is not running", kind="server_error", code="engine_not_running")
+            raise APIError(503, "the engine is not running", kind="server_error", code="engine_not_running")
         return {"status": "ok"}
 
-    if engine.engine.config.debug_integrity:
+    if info.config.debug_integrity:
         @app.post("/debug/audit", **route_docs("audit"))
         async def audit():
             """Flush the cache, check every pool and count what is still held (all 0: no leak);
             409 while requests run. Only with --debug-integrity."""
             try:
-                return await asyncio.wrap_future(engine.submit(lambda e: e.audit()))
+                return await asyncio.wrap_future(engine.submit(Engine.audit))  # pickles: run in another process
             except IntegrityError as err:  # a debug route: say what broke
                 raise APIError(500, f"integrity check failed: {err}", kind="server_error",
                                code="integrity_error") from err
@@ -105,9 +108,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, **setting
 
     @app.get("/v1/models", **route_docs("models"))
     async def models():
-        e = engine.engine
-        return {"object": "list", "data": [{"id": e.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "hybridserve", "max_model_len": e.max_model_len}]}
+        return {"object": "list", "data": [{"id": info.model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "hybridserve", "max_model_len": info.max_model_len}]}
 
     def prepare(body: bytes, model: type[SamplingRequest]) -> tuple[SamplingRequest, SamplingParams, list[int]]:
         """On the worker: the request, its sampling and its prompt's token ids (APIError or
@@ -117,7 +119,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, **setting
             raise APIError(404, f"model: {req.model!r} does not exist; this server serves {engine.model_name!r}",
                            "model", "model_not_found")
         params = req.sampling_params(config.chat_max_tokens)
-        return req, params, engine.engine.validate(req.engine_prompt(engine.engine.tokenizer), params)
+        return req, params, info.validate(req.engine_prompt(info.tokenizer), params)
 
     async def respond(raw: Request, model: type[SamplingRequest]):
         timer = metrics.request()
@@ -130,7 +132,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig | None = None, **setting
             raise APIError(400, str(e), param_of(str(e), model)) from None
         except EngineError as e:
             raise APIError(503, str(e), kind="server_error", code=e.code) from None
-        tok = engine.engine.tokenizer
+        tok = info.tokenizer
         head = {"id": rid, "object": req.chunk_object_name if req.stream else req.object_name,
                 "created": int(time.time()), "model": engine.model_name}
         if req.stream:

@@ -36,6 +36,9 @@ class ServerConfig:
                 "(stream: an error event and [DONE]) and the server exits"})
     stream_backlog: int = field(default=1024, metadata={
         "help": "outputs a stream's reader may fall behind before its request is aborted with an error"})
+    engine_process: bool = field(default=False, metadata={
+        "help": "run the engine in its own process (the server keeps the tokenizer; an engine that crashes "
+                "leaves the server answering 503); default: on a thread of the server"})
     docs: bool = field(default=False, metadata={
         "help": "serve the interactive API docs at /docs (their page loads scripts from a CDN); /openapi.json "
                 "is always served"})

@@ -5,6 +5,7 @@ import torch
 
 from hybridserve import LLM, Engine
 from hybridserve.sampling import SamplingParams
+from models.builtin import ByteTokenizer
 from scheduler import CostModel
 from tests.models import harness
 from tests.models.test_kimi_linear import hf_mod as kimi_mod
@@ -151,7 +152,8 @@ def test_a_profile_far_off_the_measured_rounds_is_warned_about_once(tmp_path, ca
 def test_output_kinds_return_the_same_request_each_their_way(profile):
     """The same greedy request as "cumulative", "delta" and "final" outputs (the built-in model's
     byte tokenizer, so characters span tokens): one last output, the same in all three; a delta's
-    earlier outputs carry only what their step added, which adds up to it; "final" returns
+    earlier outputs carry only what their step added (no prompt, no ids or text so far), which
+    adds up to it; "final" returns
     nothing before it. With a stop string taken from that text, every kind stops at it."""
     eng = Engine(model="builtin", dtype="float32", memory_gb=0.05, max_running=8, cost_profile=profile)
     prompt = "def f(x): # caf\u00e9 \u2603\n"
@@ -173,7 +175,8 @@ def test_output_kinds_return_the_same_request_each_their_way(profile):
         assert (end.finished, end.token_ids, end.text, end.finish_reason) == (True, last.token_ids, last.text, "length")
     assert len(seen["final"]) == 1
     deltas = seen["delta"]
-    assert all(o.token_ids == [] and o.text == "" for o in deltas[:-1])
+    assert all(o.token_ids == [] and o.text == "" and o.prompt_token_ids == [] for o in deltas[:-1])
+    assert deltas[-1].prompt_token_ids == last.prompt_token_ids == ByteTokenizer().encode(prompt)
     assert [t for o in deltas for t in o.new_token_ids] == last.token_ids
     assert "".join(o.new_text for o in deltas) == last.text
     stop = last.text[len(last.text) // 2: len(last.text) // 2 + 2]

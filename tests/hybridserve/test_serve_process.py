@@ -44,13 +44,16 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_under_load_answers_everyone_then_exits_with_its_status(tmp_path, sig):
+@pytest.mark.parametrize("sig, flags", [(signal.SIGTERM, ()), (signal.SIGINT, ()),
+                                        (signal.SIGTERM, ("--engine-process",))],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-engine-process"])
+def test_signal_under_load_answers_everyone_then_exits_with_its_status(tmp_path, sig, flags):
     """On SIGTERM / SIGINT with requests in flight (past the grace period): the non-stream one
     gets a 503 JSON error in the OpenAI shape (code shutting_down), the stream an error event
     then `data: [DONE]`; the process exits within the grace period plus a few seconds, with
-    status 128 + the signal's number."""
-    proc, url, log = start(tmp_path, "--shutdown-grace-s", str(GRACE_S))
+    status 128 + the signal's number. The same with the engine in its own process (--engine-process),
+    which the server stops itself."""
+    proc, url, log = start(tmp_path, "--shutdown-grace-s", str(GRACE_S), *flags)
     try:
         def stream() -> list[str]:
             with httpx.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}, timeout=60) as r:
