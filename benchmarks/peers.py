@@ -393,8 +393,10 @@ def table(results: list[dict]) -> str:
 # E2EL (a request's end-to-end latency) is TTFT plus its tokens' gaps: with a burst, TTFT and TPOT
 # trade against each other (first tokens out sooner put prefill rounds between later tokens), so
 # the end-to-end mean is the one of the three a schedule cannot move alone
-SERVE_METRICS = ("mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "mean_e2el_ms", "median_itl_ms",
-                 "p99_itl_ms", "output_throughput", "duration")
+SERVE_METRICS = {  # the client's result keys the served table shows -> their column labels
+    "mean_ttft_ms": "mean TTFT ms", "median_ttft_ms": "median TTFT ms", "mean_tpot_ms": "mean TPOT ms",
+    "median_tpot_ms": "median TPOT ms", "mean_e2el_ms": "mean E2EL ms", "median_itl_ms": "median ITL ms",
+    "p99_itl_ms": "p99 ITL ms", "output_throughput": "output tok/s", "duration": "duration s"}
 
 
 def server_command(engine: str, row: Row, path: Path, port: int, args, profile: str | Path) -> list[str]:
@@ -475,9 +477,7 @@ def serve_row(row: Row, path: Path, args, profile: str | Path, scratch: Path) ->
 
 def serve_table(results: list[dict]) -> str:
     """Markdown: per row, each engine's client metrics and our speed over vLLM's (> 1: we are faster)."""
-    out = ["| row | engine | mean TTFT ms | median TTFT ms | mean TPOT ms | median TPOT ms | mean E2EL ms | "
-           "median ITL ms | p99 ITL ms | output tok/s | duration s |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = ["| row | engine | " + " | ".join(SERVE_METRICS.values()) + " |", "|---|---|" + "---:|" * len(SERVE_METRICS)]
     for r in results:
         for name, key, fmt in (("hybridserve", "hybridserve", "{:.1f}"), ("vLLM", "vllm", "{:.1f}"),
                                ("hybridserve speed / vLLM", "speed", "{:.2f}x")):
