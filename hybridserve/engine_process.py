@@ -59,12 +59,15 @@ class EngineProcess(EngineFront):
             kind, payload = self._pipe.recv()
         except EOFError:
             self._proc.join()
+            self._pipe.close()
             raise RuntimeError(f"the engine process exited with status {self._proc.exitcode} while starting") from None
         except BaseException:
             self._proc.kill()
+            self._pipe.close()
             raise
         if kind == "failed":
             self._proc.join()
+            self._pipe.close()
             raise payload
         info, stats = payload
         super().__init__(dataclasses.replace(info, tokenizer=tokenizer), threads, backlog, stats)
@@ -92,6 +95,8 @@ class EngineProcess(EngineFront):
             log.error("the engine process did not stop in %.0f s; killing it", timeout)
             self._proc.kill()
             self._proc.join()
+        if not self._reader.is_alive():
+            self._pipe.close()
 
     def _post(self, cmd: tuple | None) -> None:
         try:
@@ -106,6 +111,8 @@ class EngineProcess(EngineFront):
                 self._event(event)
         except (EOFError, OSError):
             log.error("the engine process ended (exit status %s); failing the requests it held", self._proc.exitcode)
+        except Exception:
+            log.exception("delivering the engine's events failed; failing the requests it held")
         finally:
             self._ended = True
             self._close()
