@@ -408,7 +408,8 @@ def server_command(engine: str, row: Row, path: Path, port: int, args, profile: 
     cache = "--enable-prefix-cache" if row.prefix_cache else "--no-enable-prefix-cache"
     return [sys.executable, "-m", "hybridserve", "serve", str(path), "--port", str(port), "--dtype", dtype,
             "--max-running", str(args.requests), "--memory-gb", str(MEMORY_GB), "--cost-profile", str(profile),
-            cache, "--log-level", "warning", *(["--target-step", str(args.target_step)] if args.target_step else [])]
+            cache, "--log-level", "warning", *(["--target-step", str(args.target_step)] if args.target_step else []),
+            *(["--engine-process"] if args.engine_process else [])]
 
 
 def bench_command(url: str, path: Path, args, seed: int, out: Path) -> list[str]:
@@ -520,6 +521,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target-step", type=float, default=None,
                     help="--serve: our server's predicted seconds a round (default: the server's, 0.1 s). Larger "
                          "rounds prefill the burst sooner and later its first tokens: a TTFT / TPOT trade")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="--serve: our server runs its engine in a process of its own (serve --engine-process)")
     return ap.parse_args(argv)
 
 

@@ -118,15 +118,18 @@ def test_served_workload_mirrors_the_offline_one():
     assert "e2el" in flags["--percentile-metrics"].split(",")  # the client reports mean_e2el_ms only when asked
 
 
-def test_served_round_target_reaches_only_our_server():
-    """--target-step is passed to our server alone; without it the server keeps its default."""
-    args = peers.parse_args([*SMALL, "--vllm-python", "python", "--target-step", "0.5"])
+def test_served_round_target_and_engine_process_reach_only_our_server():
+    """--target-step and --engine-process are passed to our server alone; without them the
+    server keeps its defaults."""
+    args = peers.parse_args([*SMALL, "--vllm-python", "python", "--target-step", "0.5", "--engine-process"])
     row = peers.ROWS["qwen3-next-cache"]
     ours = peers.server_command("hybridserve", row, Path("m"), 1, args, "p.json")
-    assert ours[ours.index("--target-step") + 1] == "0.5"
-    assert "--target-step" not in peers.server_command("vllm", row, Path("m"), 1, args, "p.json")
+    assert ours[ours.index("--target-step") + 1] == "0.5" and "--engine-process" in ours
+    theirs = peers.server_command("vllm", row, Path("m"), 1, args, "p.json")
+    assert "--target-step" not in theirs and "--engine-process" not in theirs
     default = peers.parse_args([*SMALL, "--vllm-python", "python"])
-    assert "--target-step" not in peers.server_command("hybridserve", row, Path("m"), 1, default, "p.json")
+    plain = peers.server_command("hybridserve", row, Path("m"), 1, default, "p.json")
+    assert "--target-step" not in plain and "--engine-process" not in plain
 
 
 def test_serve_table_ratios():
