@@ -7,9 +7,9 @@
 In one process the server's event loop (each token's socket write, HTTP parsing, JSON) and
 the engine's Python between kernels take turns on the GIL; in two they run side by side, and
 an engine that crashes (a kernel's fault included) leaves the server up, answering 503. On
-a host with two vCPUs the front's work still takes the engine's cores: served runs of the
-Qwen3-Next peer checkpoint were no faster than with the engine on a thread (docs/benchmarks.md),
-so a thread stays the default.
+a host with two vCPUs the front's work still takes the engine's cores, and served runs of the
+Qwen3-Next peer checkpoint were faster in one setting and slower in another than with the
+engine on a thread (docs/benchmarks.md), so a thread stays the default.
 
 What crosses the pipe is small: "delta" outputs carry no prompt (hybridserve/outputs.py);
 pickling each request's 1,280 prompt ids every step made served runs 30% slower. The front
