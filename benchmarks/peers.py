@@ -159,7 +159,8 @@ def worker(args: argparse.Namespace) -> None:
 
     work = json.loads(Path(args.workload).read_text())
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_cache=args.prefix_cache == "on",
-              max_running=len(work["prompts"]), memory_gb=MEMORY_GB, cost_profile=args.cost_profile)
+              max_running=len(work["prompts"]), memory_gb=MEMORY_GB, cost_profile=args.cost_profile,
+              state_dtype=args.state_dtype)
     llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     t0 = time.perf_counter()
     outs = llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
@@ -173,7 +174,7 @@ def worker_command(engine: str, row: Row, path: Path, work: Path, args, profile:
               "on" if row.prefix_cache else "off", "--workload", str(work), "--threads", str(args.threads)]
     if engine == "vllm":
         return [args.vllm_python, str(HERE / "peer_vllm.py"), "worker", *common]
-    return [sys.executable, "-m", "benchmarks.peers", "--worker", *common,
+    return [sys.executable, "-m", "benchmarks.peers", "--worker", *common, "--state-dtype", args.state_dtype,
             *(["--cost-profile", str(profile)] if profile else [])]
 
 
@@ -408,7 +409,8 @@ def server_command(engine: str, row: Row, path: Path, port: int, args, profile: 
     cache = "--enable-prefix-cache" if row.prefix_cache else "--no-enable-prefix-cache"
     return [sys.executable, "-m", "hybridserve", "serve", str(path), "--port", str(port), "--dtype", dtype,
             "--max-running", str(args.requests), "--memory-gb", str(MEMORY_GB), "--cost-profile", str(profile),
-            cache, "--log-level", "warning", *(["--target-step", str(args.target_step)] if args.target_step else []),
+            "--state-dtype", args.state_dtype, cache, "--log-level", "warning",
+            *(["--target-step", str(args.target_step)] if args.target_step else []),
             *(["--engine-process"] if args.engine_process else [])]
 
 
@@ -521,6 +523,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target-step", type=float, default=None,
                     help="--serve: our server's predicted seconds a round (default: the server's, 0.1 s). Larger "
                          "rounds prefill the burst sooner and later its first tokens: a TTFT / TPOT trade")
+    ap.add_argument("--state-dtype", choices=("auto", "bfloat16"), default="auto",
+                    help="our recurrent states' dtype (serve --state-dtype); vLLM keeps Qwen3-Next's GDN states in "
+                         "the model's dtype (bf16) and NemotronH's in fp32 (its mamba_ssm_cache_dtype 'auto')")
     ap.add_argument("--engine-process", action="store_true",
                     help="--serve: our server runs its engine in a process of its own (serve --engine-process)")
     return ap.parse_args(argv)

@@ -18,6 +18,7 @@ from scheduler import SchedulerConfig
 from state_cache import CacheConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+STATE_DTYPES = ("auto", "float32", "bfloat16")
 SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig}
 
 
@@ -29,8 +30,13 @@ class EngineConfig:
                 "sources)"})
     device: str = field(default="cpu", metadata={"help": "torch device to run on, e.g. cpu or cuda:0"})
     dtype: str = field(default="auto", metadata={
-        "help": "weight, activation and KV dtype; auto keeps the checkpoint's (recurrent states stay fp32)",
+        "help": "weight, activation and KV dtype; auto keeps the checkpoint's (recurrent states: see state_dtype)",
         "choices": DTYPES})
+    state_dtype: str = field(default="auto", metadata={
+        "help": "dtype the recurrent states (and their checkpoints) are kept in; auto: the model's (fp32, or what a "
+                "NemotronH checkpoint's mamba_ssm_cache_dtype says); bfloat16 halves the state bytes of every decode "
+                "step and checkpoint, the CPU kernels rounding the state after each 64-token chunk and each token",
+        "choices": STATE_DTYPES})
     page_size: int = field(default=64, metadata={"help": "tokens per attention-KV page"})
     memory_gb: float = field(default=1.0, metadata={
         "help": "GiB for the KV pages, the active state slots and the checkpoints together"})
@@ -70,6 +76,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPES)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype: {self.state_dtype!r} is not one of {list(STATE_DTYPES)}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.memory_gb <= 0:

@@ -62,6 +62,15 @@ def model_path(config: EngineConfig) -> Path:
     return builtin_path() if config.model == "builtin" else Path(config.model)
 
 
+def load_engine_model(config: EngineConfig, device: str, tp: TensorParallel | None = None):
+    """(model, ModelConfig) of the config's checkpoint in its dtype and state dtype ("auto": the
+    checkpoint's own), this rank's shard under `tp`."""
+    def pick(name: str) -> torch.dtype | None:
+        return None if name == "auto" else getattr(torch, name)
+
+    return load_model(model_path(config), device, pick(config.dtype), tp=tp, state_dtype=pick(config.state_dtype))
+
+
 def build_memory(config: EngineConfig, mc, device: str):
     """(memory plan, KV pool, state pool, host pool or None) for a model config: the same on
     every tensor-parallel rank, each holding its shard's shapes."""
@@ -85,21 +94,20 @@ class Engine:
             native.extension()  # built once per source version (a few minutes), not in the first decode step
         torch.manual_seed(config.seed)
         self.path = model_path(config)
-        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         world = config.tensor_parallel_size * config.context_parallel_size
         self.workers = Workers(config, world) if world > 1 else None  # ranks 1..N-1 (hybridserve/parallel.py)
         try:
-            self._build(config, dtype, world)
+            self._build(config, world)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, config: EngineConfig, dtype: torch.dtype | None, world: int) -> None:
+    def _build(self, config: EngineConfig, world: int) -> None:
         if self.workers:
             torch.set_num_threads(max(1, torch.get_num_threads() // world))
         tp = config.tensor_parallel_size
-        self.model, self.model_config = load_model(self.path, config.device, dtype,
-                                                   tp=TensorParallel.of() if tp > 1 else None)
+        self.model, self.model_config = load_engine_model(config, config.device,
+                                                          TensorParallel.of() if tp > 1 else None)
         self.model_name = config.model if config.model == "builtin" else self.path.name
         self.tokenizer = load_tokenizer(config.model, self.path)
         self.decode_ids = ids_decoder(self.tokenizer)

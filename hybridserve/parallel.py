@@ -149,18 +149,16 @@ class ParallelRunner(ModelRunner):
 
 def _worker(config, rank: int, world: int, store: str, pipe) -> None:
     """Rank `rank`: its part of the model and pools; replays rank 0's rounds until told to stop."""
-    from hybridserve.engine import build_memory, model_path
-    from models.loader import load_model
+    from hybridserve.engine import build_memory, load_engine_model
 
     device = rank_device(config.device, rank)
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(config.device), init_method=store, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
-        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         tp = TensorParallel.of() if config.tensor_parallel_size > 1 else None
-        model, mc = load_model(model_path(config), device, dtype, tp=tp)
+        model, mc = load_engine_model(config, device, tp)
         _, kv, state, host = build_memory(config, mc, device)
         memory = Memory(kv.buffers, state.buffers, config.page_size)
         pools = {"kv": kv, "state": state, "host": host}

@@ -136,9 +136,10 @@ def paged_prefill(q, k_cache, v_cache, page_table, cu_seqlens, seq_lens, scale: 
 
 
 def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | None:
-    """One delta-rule token per sequence, states updated in place in `state[slots]` (fp32);
-    o [N, HV, V] fp32, or None where the kernel cannot run (the caller gathers and steps)."""
-    ext = extension() if state.device.type == "cpu" and state.dtype == torch.float32 else None
+    """One delta-rule token per sequence, states updated in place in `state[slots]` (fp32, or bf16
+    rounded after the step); o [N, HV, V] fp32, or None where the kernel cannot run (the caller
+    gathers and steps)."""
+    ext = extension() if _state_rows(state) else None
     if ext is None:
         return None
     f = [_f32(x) for x in (q, k, v, g, beta)]
@@ -150,8 +151,8 @@ def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: fl
     """The chunkwise delta rule (kernels/kda/chunk.py's contract) with `state` [N, HV, K, V] fp32
     advanced in place from each sequence's initial to its final state; checkpoints [C, 2] int64
     rows (sequence, tokens consumed). Returns (o [T, HV, V] fp32, states [C, HV, K, V]), or None
-    where the kernel cannot run. With `slots` [N] int64, state is a pool [P, HV, K, V] (fp32,
-    contiguous) and sequence n's state is its row slots[n], read and written in place (zeros
+    where the kernel cannot run. With `slots` [N] int64, state is a pool [P, HV, K, V] (fp32, or bf16
+    rounded after every chunk; contiguous) and sequence n's state is its row slots[n], read and written in place (zeros
     first where `fresh` [N] bool); with `checkpoint_slots` [C] the checkpoints' states go into
     those rows of it instead of being returned (then states is empty)."""
     ext = extension() if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) else None
@@ -237,7 +238,7 @@ def delta_decode(qkv, conv_w, conv_state, state, slots, heads: tuple[int, int, i
     ok = _routable(qkv) and qkv.dim() == 2 and qkv.stride(1) == 1 and a.dtype == b.dtype == qkv.dtype
     ok = ok and a.dim() == b.dim() == 3 and a.stride(2) == b.stride(2) == 1 and dtype in (torch.float32, torch.bfloat16)
     ok = ok and conv_state.is_contiguous() and conv_state.dtype in (torch.float32, torch.bfloat16)
-    ok = ok and state.dtype == torch.float32 and _routable(gate) and gate.shape == (qkv.shape[0], hv, v)
+    ok = ok and _state_rows(state) and _routable(gate) and gate.shape == (qkv.shape[0], hv, v)
     ext = extension() if ok else None
     if ext is None:
         return None
@@ -419,6 +420,12 @@ def _token_rows(t: torch.Tensor) -> torch.Tensor:
     inner = t.shape[1:].numel()
     ok = t.shape[0] > 0 and t.stride(-1) == 1 and t.stride(0) >= inner and t[0].is_contiguous()
     return t if ok else t.contiguous()
+
+
+def _state_rows(state: torch.Tensor) -> bool:
+    """A recurrent-state pool the delta-rule kernels read and write in place: CPU, contiguous,
+    fp32 or bf16 (worked on in fp32, rounded to bf16 after every chunk or token)."""
+    return state.device.type == "cpu" and state.dtype in (torch.float32, torch.bfloat16) and state.is_contiguous()
 
 
 def _routable(t: torch.Tensor) -> bool:

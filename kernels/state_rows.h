@@ -3,9 +3,14 @@
 // at row seq[n] (row n when no slots are given), zeroed first where fresh[n]; the state after
 // checkpoint i at row ck[i] of ck_rows: the state tensor itself when checkpoint slots are given,
 // else a new tensor of the checkpoints' states alone (`states`, returned to the caller); and the
-// checkpoints each sequence captures, in order (`checkpoint_plans`).
+// checkpoints each sequence captures, in order (`checkpoint_plans`). A state kept in bf16 is worked
+// on in fp32 (`widen_state`, `store_state`) and rounded to bf16 after every chunk (`round_state`):
+// a prefill split into calls at chunk boundaries, or restored from a checkpoint, gives the bits
+// of one call.
 #pragma once
 #include <torch/extension.h>
+
+#include "widen.h"  // widen_state, store_state, round_state
 
 #include <algorithm>
 #include <cstdint>
@@ -33,7 +38,11 @@ struct StateRows {
   std::vector<int64_t> seq, ck;
   std::vector<uint8_t> fresh;
   at::Tensor states;  // [C, ...] when the checkpoints' states are returned, else empty
-  float* ck_rows = nullptr;  // null for a state that is not fp32
+  void* ck_base = nullptr;  // row 0 of the checkpoints' rows (the state tensor or `states`)
+  template <typename S>
+  S* ck_rows() const {
+    return static_cast<S*>(ck_base);
+  }
 };
 
 // slots [N], fresh [N] bool and checkpoint_slots [C] (int64; each may be empty) checked against
@@ -70,7 +79,7 @@ inline StateRows state_rows(at::Tensor& state, int64_t N, int64_t C, const at::T
     out.ck.resize(C);
     std::iota(out.ck.begin(), out.ck.end(), 0);
   }
-  if (state.scalar_type() == at::kFloat) out.ck_rows = in_state ? state.data_ptr<float>() : out.states.data_ptr<float>();
+  out.ck_base = in_state ? state.data_ptr() : out.states.data_ptr();
   std::vector<uint8_t> used(P);
   for (int64_t row : out.seq) {
     TORCH_CHECK(row >= 0 && row < P && !used[row], who, ": slots must be distinct rows of state");

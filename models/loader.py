@@ -38,17 +38,20 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               tp: TensorParallel | None = None):
+               tp: TensorParallel | None = None, state_dtype: torch.dtype | None = None):
     """Build the model for a checkpoint folder and load its weights.
 
     Returns (model, ModelConfig). `dtype` defaults to the checkpoint's declared dtype;
-    parameters the model lists in `keep_fp32` stay fp32. With `tp` the model holds this
+    parameters the model lists in `keep_fp32` stay fp32; recurrent states are kept in `state_dtype`
+    (default: the model's, fp32 but for a NemotronH checkpoint that declares another). With `tp` the model holds this
     rank's shard (models/layers/tensor_parallel.py) and the config its per-rank shapes: each
     checkpoint tensor is read, cut and dropped, so a rank holds its shard plus one tensor.
     """
     path = Path(path)
     hf = load_hf_config(path)
     cfg = ModelConfig.from_hf(hf, dtype)
+    if state_dtype is not None:
+        cfg = cfg.with_state_dtype(state_dtype)
     dtype = cfg.dtype
     with torch.device("meta"):
         model = model_class(hf.model_type)(hf)

@@ -346,13 +346,16 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 // One delta-rule decode step (KDA / GDN) with the states updated in place in their slots:
 // q, k [N, H, K], v [N, HV, V], g [N, HV, K or 1] log decays, beta [N, HV], all fp32;
-// state [slots, HV, K, V] fp32; slots [N] int64. Per (sequence, value head), with S the K x V
-// state: S = exp(g) * S; S += k (beta (v - S^T k))^T; o = scale S^T q. Two passes over S.
-// Returns o [N, HV, V] fp32.
+// state [slots, HV, K, V] fp32 or bf16; slots [N] int64. Per (sequence, value head), with S the
+// K x V state: S = exp(g) * S; S += k (beta (v - S^T k))^T; o = scale S^T q. Two passes over S,
+// in place for fp32; a bf16 state is widened into an fp32 copy first and rounded back after
+// (state_rows.h). Returns o [N, HV, V] fp32.
 at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                       const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, double scale) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &g, &beta, &state})
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &g, &beta})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "delta_step: contiguous fp32 inputs");
+  TORCH_CHECK((state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16) && state.is_contiguous(),
+              "delta_step: a contiguous fp32 or bf16 state");
   const int64_t N = q.size(0), H = q.size(1), K = q.size(2), HV = v.size(1), V = v.size(2);
   const int64_t R = HV / H, gK = g.size(2);
   TORCH_CHECK(state.size(1) == HV && state.size(2) == K && state.size(3) == V, "state [slots, HV, K, V]");
@@ -361,42 +364,58 @@ at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
   const int64_t* sp = sc.data_ptr<int64_t>();
-  float *Sp = state.data_ptr<float>(), *op = out.data_ptr<float>();
+  float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, N * HV, 1, [&](int64_t begin, int64_t end) {
-    FlushDenormals flush;
-    std::vector<float> err(V);
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t n = job / HV, hv = job % HV, h = hv / R;
-      float* S = Sp + (sp[n] * HV + hv) * K * V;
-      const float *kk = kp + (n * H + h) * K, *qq = qp + (n * H + h) * K, *gg = gp + (n * HV + hv) * gK;
-      std::fill(err.begin(), err.end(), 0.f);
-      const float head_decay = std::exp(gg[0]);  // GDN: one decay for the whole state
-      for (int64_t i = 0; i < K; ++i) {  // decay the state, accumulate S^T k
-        const float d = gK == 1 ? head_decay : std::exp(gg[i]), ki = kk[i];
-        float* row = S + i * V;
+  const auto step = [&](int64_t n, int64_t hv, float* S, float* err) {
+    const int64_t h = hv / R;
+    const float *kk = kp + (n * H + h) * K, *qq = qp + (n * H + h) * K, *gg = gp + (n * HV + hv) * gK;
+    std::fill(err, err + V, 0.f);
+    const float head_decay = std::exp(gg[0]);  // GDN: one decay for the whole state
+    for (int64_t i = 0; i < K; ++i) {  // decay the state, accumulate S^T k
+      const float d = gK == 1 ? head_decay : std::exp(gg[i]), ki = kk[i];
+      float* row = S + i * V;
 #pragma omp simd
-        for (int64_t j = 0; j < V; ++j) {
-          row[j] *= d;
-          err[j] += row[j] * ki;
-        }
-      }
-      const float b = bp[n * HV + hv];
-      const float* vv = vp + (n * HV + hv) * V;
-#pragma omp simd
-      for (int64_t j = 0; j < V; ++j) err[j] = b * (vv[j] - err[j]);
-      float* o = op + (n * HV + hv) * V;
-      std::fill(o, o + V, 0.f);
-      for (int64_t i = 0; i < K; ++i) {  // write, then read out with q
-        const float ki = kk[i], qi = qq[i] * fscale;
-        float* row = S + i * V;
-#pragma omp simd
-        for (int64_t j = 0; j < V; ++j) {
-          row[j] += ki * err[j];
-          o[j] += row[j] * qi;
-        }
+      for (int64_t j = 0; j < V; ++j) {
+        row[j] *= d;
+        err[j] += row[j] * ki;
       }
     }
-  });
+    const float b = bp[n * HV + hv];
+    const float* vv = vp + (n * HV + hv) * V;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) err[j] = b * (vv[j] - err[j]);
+    float* o = op + (n * HV + hv) * V;
+    std::fill(o, o + V, 0.f);
+    for (int64_t i = 0; i < K; ++i) {  // write, then read out with q
+      const float ki = kk[i], qi = qq[i] * fscale;
+      float* row = S + i * V;
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) {
+        row[j] += ki * err[j];
+        o[j] += row[j] * qi;
+      }
+    }
+  };
+  const auto steps = [&]<typename S>(S* Sp) {
+    at::parallel_for(0, N * HV, 1, [&](int64_t begin, int64_t end) {
+      FlushDenormals flush;
+      std::vector<float> err(V), wide(std::is_same_v<S, float> ? 0 : K * V);
+      for (int64_t job = begin; job < end; ++job) {
+        const int64_t n = job / HV, hv = job % HV;
+        S* row = Sp + (sp[n] * HV + hv) * K * V;
+        if constexpr (std::is_same_v<S, float>) {
+          step(n, hv, row, err.data());
+        } else {
+          widen_state(row, wide.data(), K * V, false);
+          step(n, hv, wide.data(), err.data());
+          store_state(wide.data(), row, K * V);
+        }
+      }
+    });
+  };
+  if (state.scalar_type() == at::kFloat)
+    steps(state.data_ptr<float>());
+  else
+    steps(state.data_ptr<c10::BFloat16>());
   return out;
 }

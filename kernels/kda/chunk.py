@@ -92,11 +92,12 @@ def _compiled(q, k, v, g, beta, scale, initial_state, cu, checkpoint_at):
 
 def chunk_in_place(q, k, v, g, beta, state, slots, fresh, cu_seqlens, checkpoint_at=None, checkpoint_slots=None):
     """chunk_delta_rule (scale K^-0.5; g [T, HV, K] or [T, HV, 1]) with each sequence's state a
-    row of a pool, through the compiled kernel: state [P, HV, K, V] fp32, sequence n's initial
+    row of a pool, through the compiled kernel: state [P, HV, K, V] fp32 (or bf16, rounded after
+    every 64-token chunk), sequence n's initial
     state in row slots[n] (zeros where fresh[n]) advanced there in place to its final state, the
     state after each position of checkpoint_at written into row checkpoint_slots[i]. Returns o
     [T, HV, V] in v's dtype, or None where the kernel does not run (nothing is written then)."""
-    if state.dtype != torch.float32 or not state.is_contiguous():
+    if state.dtype not in (torch.float32, torch.bfloat16) or not state.is_contiguous():
         return None
     cu = seq_bounds(cu_seqlens, q.shape[0])
     rows, at = torch.zeros(0, 2, dtype=torch.int64), native.EMPTY

@@ -361,11 +361,13 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
   mm(true, false, K, V, c, 1.f, kout, K, X, V, 1.f, S, V);
 }
 
-template <typename T>
-void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_t>& cu, float* state,
+template <typename T, typename S>
+void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_t>& cu, S* state,
          const Captures& captures, const StateRows& where) {
   // A job is (sequence, key head) and runs the key head's value heads chunk by chunk: each
   // chunk's keys are loaded (and, with a decay per head, [K; Q] K^T formed) once for all of them.
+  // An fp32 state is advanced in its row; a bf16 one in an fp32 copy, rounded after every chunk.
+  constexpr bool f32 = std::is_same_v<S, float>;
   const int64_t N = static_cast<int64_t>(cu.size()) - 1, H = s.H, R = s.HV / s.H, KV = s.K * s.V;
   std::vector<int64_t> jobs(N * H);  // longest sequences first, so the last jobs are short
   std::iota(jobs.begin(), jobs.end(), 0);
@@ -378,24 +380,34 @@ void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_
     FlushDenormals flush;
     Scratch w(s);
     std::vector<size_t> next(R);
+    std::vector<float> wide(f32 ? 0 : R * KV);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < N * H; ++j) {
       const int64_t n = jobs[j] / H, h = jobs[j] % H;
       const auto& plan = captures[n];
       std::fill(next.begin(), next.end(), 0);
-      float* own = state + (where.seq[n] * s.HV + h * R) * KV;  // the states of key head h's value heads
-      if (where.fresh[n]) std::fill(own, own + R * KV, 0.f);
+      S* own = state + (where.seq[n] * s.HV + h * R) * KV;  // the states of key head h's value heads
+      float* cur;
+      if constexpr (f32) {
+        cur = own;
+        if (where.fresh[n]) std::fill(own, own + R * KV, 0.f);
+      } else {
+        cur = wide.data();
+        widen_state(own, cur, R * KV, where.fresh[n]);
+      }
       for (int64_t t = cu[n]; t < cu[n + 1]; t += CHUNK) {
         const int64_t c = std::min(CHUNK, cu[n + 1] - t);
         keys(s, in, t, c, h, w);
         for (int64_t r = 0; r < R; ++r) {
           const int64_t hv = h * R + r;
-          float* S = own + r * KV;
-          chunk(s, in, o, t, c, hv, S, w);
+          float* St = cur + r * KV;
+          chunk(s, in, o, t, c, hv, St, w);
+          round_state<S>(St, KV);
           for (; next[r] < plan.size() && plan[next[r]].first <= t + c - cu[n]; ++next[r])  // states after this chunk
-            std::copy(S, S + KV, where.ck_rows + (where.ck[plan[next[r]].second] * s.HV + hv) * KV);
+            store_state(St, where.ck_rows<S>() + (where.ck[plan[next[r]].second] * s.HV + hv) * KV, KV);
         }
       }
+      if constexpr (!f32) store_state(cur, own, R * KV);
     }
   }
 }
@@ -403,14 +415,15 @@ void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_
 }  // namespace
 
 // q, k [T, H, K] and v [T, HV, V] (fp32 or bf16, one dtype, contiguous); g [T, HV, K or 1] and
-// beta [T, HV] fp32 contiguous; state [P, HV, K, V] fp32 contiguous: rows of states; cu_seqlens
+// beta [T, HV] fp32 contiguous; state [P, HV, K, V] fp32 or bf16 contiguous: rows of states (a bf16
+// state is rounded to bf16 after every chunk, see state_rows.h); cu_seqlens
 // [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it consumed: a multiple of 64 or
 // its length), sorted by length within a sequence. slots [N] int64: the row of state holding
 // sequence n's initial state, advanced in place to its final state (empty: row n); fresh [N]
 // bool: sequences that start from zeros instead (empty: none); checkpoint_slots [C] int64: the
 // rows to write the state after each checkpoint into (empty: a new tensor). Every row is written
 // by one sequence or checkpoint at most. Returns (o [T, HV, V] fp32, the checkpoints' states
-// [C, HV, K, V] fp32, or an empty tensor where they went into state's rows).
+// [C, HV, K, V] in state's dtype, or an empty tensor where they went into state's rows).
 std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                           const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
                                                           const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
@@ -418,8 +431,10 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, c
                                                           const at::Tensor& fresh, const at::Tensor& checkpoint_slots) {
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "chunk_delta_rule: contiguous q, k, v");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v share one dtype");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta, &state})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "chunk_delta_rule: contiguous fp32 g, beta, state");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "chunk_delta_rule: contiguous fp32 g, beta");
+  TORCH_CHECK((state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16) && state.is_contiguous(),
+              "chunk_delta_rule: a contiguous fp32 or bf16 state");
   const int64_t T = q.size(0), HV = v.size(1), K = q.size(2), V = v.size(2);
   TORCH_CHECK(HV % q.size(1) == 0, "chunk_delta_rule: value heads a multiple of key heads");
   TORCH_CHECK(min_log_decay >= -20.0, "chunk_delta_rule: min_log_decay >= -20 (pairs() factors over it)");
@@ -434,7 +449,10 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, c
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_delta_rule", [&] {
     const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                               g.data_ptr<float>(), beta.data_ptr<float>()};
-    run(s, in, out.data_ptr<float>(), cu, state.data_ptr<float>(), captures, where);
+    if (state.scalar_type() == at::kFloat)
+      run(s, in, out.data_ptr<float>(), cu, state.data_ptr<float>(), captures, where);
+    else
+      run(s, in, out.data_ptr<float>(), cu, state.data_ptr<c10::BFloat16>(), captures, where);
   });
   return {out, where.states};
 }

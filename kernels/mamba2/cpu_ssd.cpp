@@ -128,7 +128,7 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
         group_inputs(s, in, t, c, g, w);
         for (int64_t hd = h0; hd < h1; ++hd) chunk(s, in, op, t, c, hd, own + hd * PS, w);
         for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
-          std::copy(own + h0 * PS, own + h1 * PS, where.ck_rows + (where.ck[plan[next].second] * H + h0) * PS);
+          std::copy(own + h0 * PS, own + h1 * PS, where.ck_rows<float>() + (where.ck[plan[next].second] * H + h0) * PS);
       }
     }
   }

@@ -114,7 +114,8 @@ def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight
 def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, beta) -> torch.Tensor:
     """The KDA / GDN recurrence (`kind`: "kda" or "gdn") over the batch with its states in
     slots: chunkwise kernel for the prefill segments; for the decode rows the compiled CPU
-    step that updates the slots in place (kernels/native.py), else the step kernel."""
+    step that updates the slots in place (kernels/native.py), else the step kernel. The
+    kernels work in fp32; a bf16 state is widened for them and rounded where it is stored."""
     chunk, step = kernels.get(f"{kind}_prefill", q.device), kernels.get(f"{kind}_decode", q.device)
 
     def args(r):
@@ -132,12 +133,13 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
     return run_with_state(
         batch,
         state,
-        lambda r, s0, cu, ck: chunk(*args(r), initial_state=s0, output_final_state=True, cu_seqlens=cu,
+        lambda r, s0, cu, ck: chunk(*args(r), initial_state=s0.float(), output_final_state=True, cu_seqlens=cu,
                                     checkpoint_at=ck),
-        lambda r, s0: step(*args(r), initial_state=s0, output_final_state=True,
+        lambda r, s0: step(*args(r), initial_state=s0.float(), output_final_state=True,
                            cu_seqlens=torch.arange(r.stop - r.start + 1, device=q.device)),
         in_place,
-        lambda cp, r, s0, ck: context_parallel.delta_rule_prefill(cp, chunk, q[r], k[r], v[r], g[r], beta[r], s0, ck),
+        lambda cp, r, s0, ck: context_parallel.delta_rule_prefill(cp, chunk, q[r], k[r], v[r], g[r], beta[r],
+                                                                  s0.float(), ck),
         prefill_in_place if chunk in (chunk_kda, chunk_gdn) else None,  # the CPU chunk path: its kernel in place
     )
 

@@ -118,18 +118,24 @@ def test_served_workload_mirrors_the_offline_one():
     assert "e2el" in flags["--percentile-metrics"].split(",")  # the client reports mean_e2el_ms only when asked
 
 
-def test_served_round_target_and_engine_process_reach_only_our_server():
-    """--target-step and --engine-process are passed to our server alone; without them the
-    server keeps its defaults."""
-    args = peers.parse_args([*SMALL, "--vllm-python", "python", "--target-step", "0.5", "--engine-process"])
+def test_served_round_target_engine_process_and_state_dtype_reach_only_our_side():
+    """--target-step, --engine-process and --state-dtype are passed to our server alone (the
+    state dtype to our offline worker too); without them ours keeps its defaults."""
+    args = peers.parse_args([*SMALL, "--vllm-python", "python", "--target-step", "0.5", "--engine-process",
+                             "--state-dtype", "bfloat16"])
     row = peers.ROWS["qwen3-next-cache"]
     ours = peers.server_command("hybridserve", row, Path("m"), 1, args, "p.json")
     assert ours[ours.index("--target-step") + 1] == "0.5" and "--engine-process" in ours
+    assert ours[ours.index("--state-dtype") + 1] == "bfloat16"
     theirs = peers.server_command("vllm", row, Path("m"), 1, args, "p.json")
-    assert "--target-step" not in theirs and "--engine-process" not in theirs
+    assert not {"--target-step", "--engine-process", "--state-dtype"} & set(theirs)
+    worker = peers.worker_command("hybridserve", row, Path("m"), Path("w.json"), args, None)
+    assert worker[worker.index("--state-dtype") + 1] == "bfloat16"
+    assert "--state-dtype" not in peers.worker_command("vllm", row, Path("m"), Path("w.json"), args, None)
     default = peers.parse_args([*SMALL, "--vllm-python", "python"])
     plain = peers.server_command("hybridserve", row, Path("m"), 1, default, "p.json")
     assert "--target-step" not in plain and "--engine-process" not in plain
+    assert plain[plain.index("--state-dtype") + 1] == "auto"
 
 
 def test_serve_table_ratios():

@@ -89,6 +89,34 @@ def test_shared_prefix_hits_state_cache_and_keeps_tokens(tiny_model, profile):
     assert outs[True] == outs[False]
 
 
+def test_bf16_states_take_half_the_bytes_and_checkpoint_hits_keep_tokens(tiny_model, profile):
+    """state_dtype="bfloat16": the recurrent states and their checkpoints are kept in bf16 (the
+    conv tails in the model's dtype), so a slot takes fewer bytes; a second wave resuming from bf16
+    checkpoints gives the greedy tokens of an engine with the prefix cache off."""
+    ref, path = tiny_model
+    vocab = ref.config.vocab_size
+    prefix = harness.prompt(vocab, 128, 5)
+    wave1 = [prefix + harness.prompt(vocab, 20, 40 + i) for i in range(3)]
+    wave2 = [prefix + harness.prompt(vocab, 30, 50 + i) for i in range(3)]
+    outs, slot_bytes = {}, {}
+    for state_dtype, cache_on in (("bfloat16", True), ("bfloat16", False), ("float32", False)):
+        llm = LLM(path, dtype="float32", memory_gb=0.05, max_running=8, cost_profile=profile, page_size=16,
+                  enable_prefix_cache=cache_on, state_dtype=state_dtype)
+        pool = llm.engine.cache.state_pool
+        assert {b["recurrent"].dtype for b in pool.buffers} == {getattr(torch, state_dtype)}
+        assert {b["conv"].dtype for b in pool.buffers} == {torch.float32}
+        slot_bytes[state_dtype] = pool.bytes_per_slot
+        llm.generate(wave1, GREEDY)
+        before = llm.engine.stats()["cache"]["state_hit_tokens"]
+        outs[state_dtype, cache_on] = [o.token_ids for o in llm.generate(wave2, GREEDY)]
+        hits = llm.engine.stats()["cache"]["state_hit_tokens"] - before
+        assert (hits >= 3 * 128) if cache_on else (hits == 0)
+        llm.engine.scheduler.check_integrity()
+    assert outs["bfloat16", True] == outs["bfloat16", False]
+    conv = sum(b["conv"][0].numel() * 4 for b in pool.buffers)
+    assert slot_bytes["bfloat16"] - conv == (slot_bytes["float32"] - conv) // 2
+
+
 def test_a_burst_with_one_system_prompt_computes_it_once_and_keeps_tokens(tiny_model, profile):
     """Requests submitted together with a shared 150-token prefix: all but one wait while it
     computes the prefix, resume from its checkpoint at 128, and give the tokens of an engine
