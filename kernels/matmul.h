@@ -1,6 +1,6 @@
 // The small row-major matmul the compiled CPU kernels share (defined in native.cpp):
 // C [M, N] = alpha op(A) op(B) + beta C, op(A) [M, K] (A stored [K, M] when ta), op(B) [K, N]
-// (B stored [N, K] when tb). Small products go to gemm/small.h's register tiles on AVX-512 CPUs,
+// (B stored [N, K] when tb). Small products go to gemm/small.h's register tiles on AVX-512 and AVX2 CPUs,
 // the others to the sgemm of the BLAS torch is linked with (MKL on x86 builds) where there is one;
 // else plain loops (also after matmul_fast(false), for the tests).
 #pragma once

@@ -156,11 +156,11 @@ def test_delta_step_updates_slots_in_place(gate):
 @pytest.mark.parametrize("tb", [False, True], ids=["b", "b^T"])
 @pytest.mark.parametrize("alpha, beta", [(1.0, 0.0), (-1.0, 1.0), (0.5, -2.0)])
 def test_kernel_matmul_equals_fp64_matmul(ta, tb, alpha, beta):
-    """The kernels' mm (small_mm's register tiles at these sizes on AVX-512, else the BLAS) at
-    every tail its tiles have (rows 1-17 and a few blocks of them, columns 1-130 around the
-    16-wide vectors and 64-wide panels), strided rows, and large products that go to the BLAS:
-    alpha op(A) op(B) + beta C within fp32 summation error of fp64; with beta 0, C is not read
-    (NaN there stays out)."""
+    """The kernels' mm (small_mm's register tiles at these sizes on AVX-512 or AVX2, else the BLAS)
+    at every tail its tiles have (rows 1-17 and a few blocks of them, columns 1-130 around the
+    vectors and panels: 16 and 64 wide on AVX-512, 8 and 16 on AVX2), strided rows, and large
+    products that go to the BLAS: alpha op(A) op(B) + beta C within fp32 summation error of
+    fp64; with beta 0, C is not read (NaN there stays out)."""
     gen = torch.Generator().manual_seed(int(ta) + 2 * int(tb))
     for m, n, k in [(1, 1, 1), (5, 16, 3), (17, 17, 64), (13, 33, 100), (64, 64, 64), (128, 130, 64),
                     (6, 48, 7), (9, 200, 5), (300, 600, 40)]:
