@@ -139,7 +139,7 @@ def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | N
     """One delta-rule token per sequence, states updated in place in `state[slots]` (fp32, or bf16
     rounded after the step); o [N, HV, V] fp32, or None where the kernel cannot run (the caller
     gathers and steps)."""
-    ext = extension() if _state_rows(state) else None
+    ext = extension() if state_in_place(state) else None
     if ext is None:
         return None
     f = [_f32(x) for x in (q, k, v, g, beta)]
@@ -238,7 +238,7 @@ def delta_decode(qkv, conv_w, conv_state, state, slots, heads: tuple[int, int, i
     ok = _routable(qkv) and qkv.dim() == 2 and qkv.stride(1) == 1 and a.dtype == b.dtype == qkv.dtype
     ok = ok and a.dim() == b.dim() == 3 and a.stride(2) == b.stride(2) == 1 and dtype in (torch.float32, torch.bfloat16)
     ok = ok and conv_state.is_contiguous() and conv_state.dtype in (torch.float32, torch.bfloat16)
-    ok = ok and _state_rows(state) and _routable(gate) and gate.shape == (qkv.shape[0], hv, v)
+    ok = ok and state_in_place(state) and _routable(gate) and gate.shape == (qkv.shape[0], hv, v)
     ext = extension() if ok else None
     if ext is None:
         return None
@@ -422,8 +422,8 @@ def _token_rows(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def _state_rows(state: torch.Tensor) -> bool:
-    """A recurrent-state pool the delta-rule kernels read and write in place: CPU, contiguous,
+def state_in_place(state: torch.Tensor) -> bool:
+    """Whether the delta-rule kernels read and write this recurrent-state pool in place: CPU, contiguous,
     fp32 or bf16 (worked on in fp32, rounded to bf16 after every chunk or token)."""
     return state.device.type == "cpu" and state.dtype in (torch.float32, torch.bfloat16) and state.is_contiguous()
 

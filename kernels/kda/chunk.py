@@ -97,7 +97,7 @@ def chunk_in_place(q, k, v, g, beta, state, slots, fresh, cu_seqlens, checkpoint
     state in row slots[n] (zeros where fresh[n]) advanced there in place to its final state, the
     state after each position of checkpoint_at written into row checkpoint_slots[i]. Returns o
     [T, HV, V] in v's dtype, or None where the kernel does not run (nothing is written then)."""
-    if state.dtype not in (torch.float32, torch.bfloat16) or not state.is_contiguous():
+    if not native.state_in_place(state):
         return None
     cu = seq_bounds(cu_seqlens, q.shape[0])
     rows, at = torch.zeros(0, 2, dtype=torch.int64), native.EMPTY
