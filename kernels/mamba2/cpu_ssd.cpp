@@ -28,6 +28,11 @@ struct Sizes {
   int64_t H, G, P, S, L;
 };
 
+// Rows per block of the chunk's causal products (C . B^T, the scores times x): each block stops at
+// its last row's token, so a 128-token chunk's products skip the zeros of the top right quarter
+// (0.88-0.94x the kernel's time on the AVX2 host; blocks of 32 or 16 rows, more calls, gained less)
+constexpr int64_t RB = 64;
+
 struct Scratch {
   std::vector<float> x, xs, B, C, Cs, cb, scores, y, a, acum, seg, dts;
   Scratch(const Sizes& s)
@@ -51,7 +56,10 @@ void group_inputs(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, in
       B[i * S + d] = as_float(in.B[((t0 + i) * s.G + g) * S + d]);
       C[i * S + d] = as_float(in.C[((t0 + i) * s.G + g) * S + d]);
     }
-  mm(false, true, c, c, S, 1.f, C, S, B, S, 0.f, w.cb.data(), s.L);  // C_i . B_j
+  for (int64_t r0 = 0; r0 < c; r0 += RB) {  // C_i . B_j for j <= i: rows [r0, r1) against the keys up to r1
+    const int64_t r1 = std::min(c, r0 + RB);
+    mm(false, true, r1 - r0, r1, S, 1.f, C + r0 * S, S, B, S, 0.f, w.cb.data() + r0 * s.L, s.L);
+  }
 }
 
 // One head's chunk, after group_inputs of its group.
@@ -67,26 +75,30 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
     a[i] = in.dt[t * s.H + hd] * A;
     acum[i] = (i ? acum[i - 1] : 0.f) + a[i];
   }
-  std::copy(w.cb.begin(), w.cb.begin() + c * L, sc);
-  // times exp(seg[i, j]) dt_j below the diagonal, 0 above, a row at a time: seg[j] holds
-  // a_{j+1} + ... + a_i, summed in that order as i grows (the torch path's order)
+  // C_i . B_j times exp(seg[i, j]) dt_j below the diagonal, 0 above up to the row's block end, a
+  // row at a time: seg[j] holds a_{j+1} + ... + a_i, summed in that order as i grows (the torch path's order)
   float *seg = w.seg.data(), *dts = w.dts.data();
+  const float* cb = w.cb.data();
   for (int64_t j = 0; j < c; ++j) dts[j] = in.dt[(t0 + j) * s.H + hd];
   for (int64_t i = 0; i < c; ++i) {
     float* row = sc + i * L;
+    const float* cbi = cb + i * L;
 #pragma omp simd
     for (int64_t j = 0; j < i; ++j) seg[j] += a[i];
     seg[i] = 0.f;
 #pragma omp simd
-    for (int64_t j = 0; j <= i; ++j) row[j] *= std::exp(seg[j]) * dts[j];
-    std::fill(row + i + 1, row + c, 0.f);
+    for (int64_t j = 0; j <= i; ++j) row[j] = cbi[j] * (std::exp(seg[j]) * dts[j]);
+    std::fill(row + i + 1, row + std::min(c, (i / RB + 1) * RB), 0.f);
   }
   for (int64_t j = 0; j < c; ++j) {  // dt_j exp(seg[last, j]) x_j: into the end state
     const float f = std::exp(seg[j]) * dts[j];
 #pragma omp simd
     for (int64_t p = 0; p < P; ++p) xs[j * P + p] = x[j * P + p] * f;
   }
-  mm(false, false, c, P, c, 1.f, sc, L, x, P, 0.f, y, P);  // intra-chunk
+  for (int64_t r0 = 0; r0 < c; r0 += RB) {  // intra-chunk: rows [r0, r1) against the tokens up to r1 (causal)
+    const int64_t r1 = std::min(c, r0 + RB);
+    mm(false, false, r1 - r0, P, r1, 1.f, sc + r0 * L, L, x, P, 0.f, y + r0 * P, P);
+  }
   for (int64_t i = 0; i < c; ++i) {                          // C_i exp(acum_i), then the entry state's share
     const float e = std::exp(acum[i]);
     for (int64_t d = 0; d < S; ++d) C[i * S + d] = w.C[i * S + d] * e;

@@ -618,6 +618,26 @@ def test_ssd_kernel_equals_torch_ssd(dtype, fast, monkeypatch):
 
 
 @needs_kernel
+def test_ssd_kernel_causal_row_blocks_equal_torch_ssd(monkeypatch):
+    """At NemotronH's chunk of 128 tokens the compiled SSD runs a chunk's causal products in blocks
+    of 64 rows, each stopping at its last row's token: chunks of one block (1, 44 or 64 tokens),
+    of a full and a partial second block (65, 70, 127) and of two full ones give the torch chunk
+    path's outputs, final and checkpoint states."""
+    from kernels.mamba2 import chunk_ssd
+    from tests.kernels.test_mamba2 import cu_of, make_inputs, random_state
+
+    lengths = [300, 70, 64, 65, 1, 127, 256]
+    x = make_inputs(sum(lengths), H=4, G=1)
+    args = dict(initial_state=random_state(len(lengths), H=4), output_final_state=True, cu_seqlens=cu_of(lengths),
+                checkpoint_at=torch.tensor([128, 256, 300, 370, 499, 627, 755]), chunk_size=128)
+    compiled = chunk_ssd(*x, **args)
+    monkeypatch.setattr(native, "chunk_ssd", lambda *a: None)
+    for got, want in zip(compiled, chunk_ssd(*x, **args)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("lengths", [[150], [70, 45], [70, 0, 33, 64, 9]])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_ssd_kernel_head_blocks_equal_torch_ssd(lengths, threads, monkeypatch):
