@@ -124,11 +124,32 @@ void fma_rows(const float* a, int64_t K, const float* b, float* c) {
 }
 #endif
 
+// With AVX2 only (fma_rows): the rows A [m, K] bf16 (lda apart) widened to fp32 once into this
+// thread's buffer, for every column block the drivers multiply them by (widened in each call, the
+// rows were two thirds of what a call widened, at 32 columns a block); null elsewhere, and for fp32.
+template <typename T>
+const float* widened(const T* A, int64_t lda, int64_t m, int64_t K) {
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (!onednn_bf16()) {
+      thread_local std::vector<float> a;
+      a.resize(m * K);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t k = 0; k < K; ++k) a[r * K + k] = as_float(A[r * lda + k]);
+      return a.data();
+    }
+  }
+#endif
+  return nullptr;
+}
+
 // The micro-kernel call of the drivers below: C [m, BN] fp32 = A [m, K] bf16 (rows lda apart)
 // times packed block B [K, BN], m <= BM; `live`: the block's columns that are outputs (the rest
 // pad it). Without oneDNN's: dot_rows eight rows at a time (only the first 16 columns where no
-// more are live), or (AVX2) both widened to fp32 in this thread's buffers, then six rows at a time.
-void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, float* C, int64_t live = BN) {
+// more are live), or (AVX2) both widened to fp32 in this thread's buffers (A's rows unless `wide`
+// holds them already, from widened()), then six rows at a time.
+void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16* B, float* C, int64_t live = BN,
+           [[maybe_unused]] const float* wide = nullptr) {
   if (onednn_bf16()) {
     cpublas::brgemm(m, BN, K, lda, BN, BN, false, A, B, C);
     return;
@@ -136,20 +157,18 @@ void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16*
 #if defined(__AVX512BF16__)
   dot_mm(m, live > BN / 2 ? BN : BN / 2, K, A, lda, B, 2 * BN, C, BN, false);
 #elif defined(__AVX2__) && defined(__FMA__)
-  thread_local std::vector<float> a, b;
-  a.resize(m * K);
+  thread_local std::vector<float> b;
   b.resize(K * BN);
   for (int64_t i = 0; i < K * BN; ++i) b[i] = as_float(B[i]);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t k = 0; k < K; ++k) a[r * K + k] = as_float(A[r * lda + k]);
+  const float* a = wide ? wide : widened(A, lda, m, K);
   int64_t r = 0;
-  for (; r + 6 <= m; r += 6) fma_rows<6>(&a[r * K], K, b.data(), C + r * BN);
+  for (; r + 6 <= m; r += 6) fma_rows<6>(a + r * K, K, b.data(), C + r * BN);
   switch (m - r) {
-    case 5: fma_rows<5>(&a[r * K], K, b.data(), C + r * BN); break;
-    case 4: fma_rows<4>(&a[r * K], K, b.data(), C + r * BN); break;
-    case 3: fma_rows<3>(&a[r * K], K, b.data(), C + r * BN); break;
-    case 2: fma_rows<2>(&a[r * K], K, b.data(), C + r * BN); break;
-    case 1: fma_rows<1>(&a[r * K], K, b.data(), C + r * BN); break;
+    case 5: fma_rows<5>(a + r * K, K, b.data(), C + r * BN); break;
+    case 4: fma_rows<4>(a + r * K, K, b.data(), C + r * BN); break;
+    case 3: fma_rows<3>(a + r * K, K, b.data(), C + r * BN); break;
+    case 2: fma_rows<2>(a + r * K, K, b.data(), C + r * BN); break;
+    case 1: fma_rows<1>(a + r * K, K, b.data(), C + r * BN); break;
     default: break;
   }
 #else
@@ -159,7 +178,8 @@ void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16*
 
 // fp32: C [m, BN] = A [m, K] fp32 (rows lda apart) times plain block B [K, BN], m <= BM, every column (only
 // where gemm_f32_supported()).
-void micro(int64_t m, int64_t K, const float* A, int64_t lda, const float* B, float* C, int64_t = BN) {
+void micro(int64_t m, int64_t K, const float* A, int64_t lda, const float* B, float* C, int64_t = BN,
+           const float* = nullptr) {
 #if defined(__AVX512BF16__)
   small_mm(false, false, m, BN, K, 1.f, A, lda, B, BN, 0.f, C, BN);  // each output summed over k in order
 #else
@@ -221,10 +241,11 @@ constexpr int64_t GB = 16;
 template <typename T, typename Row>
 void row_block(const T* A, int64_t lda, int64_t m, int64_t K, const T* W, int64_t NB, int64_t N,
                const float* bias, float* C, Row out_row) {
+  const float* wide = widened(A, lda, m, K);
   for (int64_t g = 0; g < NB; g += GB) {
     const int64_t nb = std::min(GB, NB - g);
     for (int64_t b = 0; b < nb; ++b)
-      micro(m, K, A, lda, W + (g + b) * K * BN, C + b * BM * BN, N - (g + b) * BN);
+      micro(m, K, A, lda, W + (g + b) * K * BN, C + b * BM * BN, N - (g + b) * BN, wide);
     for (int64_t r = 0; r < m; ++r) {
       auto* o = out_row(r) + g * BN;
       for (int64_t b = 0; b < nb; ++b) {
@@ -284,9 +305,14 @@ static void matmul_rows(const E* X, int64_t T, int64_t H, int64_t K, int64_t xr,
   at::parallel_for(0, H * MB * NB, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flush;
     alignas(64) float C[BM * BN];
-    for (int64_t i = begin; i < end; ++i) {
+    const float* wide = nullptr;  // the rows of item `rows`, widened once for its column blocks
+    for (int64_t i = begin, rows = -1; i < end; ++i) {
       const int64_t h = i / (MB * NB), m0 = i / NB % MB * BM, nb = i % NB, n0 = nb * BN, m = std::min(BM, T - m0);
-      micro(m, K, X + m0 * xr + h * xh, xr, W + (h * NB + nb) * K * BN, C, N - n0);
+      if (i / NB != rows) {
+        rows = i / NB;
+        wide = widened(X + m0 * xr + h * xh, xr, m, K);
+      }
+      micro(m, K, X + m0 * xr + h * xh, xr, W + (h * NB + nb) * K * BN, C, N - n0, wide);
       store(C, m, std::min(BN, N - n0), bias ? bias + n0 : nullptr, O + m0 * orow + h * oh + n0, orow);
     }
     release();
@@ -464,9 +490,10 @@ template <typename E, typename Row>
 void expert_rows(const E* a, int64_t m, int64_t D, const E* gate, int64_t NI, const E* down, int64_t ND, int64_t I,
                  E* H, float* G, float* U, float* C, Row out_row) {
   const int64_t ld = NI * BN;
+  const float* wide = widened(a, D, m, D);
   for (int64_t b = 0; b < NI; ++b) {  // h = act(gate) * up
-    micro(m, D, a, D, gate + b * D * BN, G);
-    micro(m, D, a, D, gate + (NI + b) * D * BN, U);
+    micro(m, D, a, D, gate + b * D * BN, G, BN, wide);
+    micro(m, D, a, D, gate + (NI + b) * D * BN, U, BN, wide);
     for (int64_t r = 0; r < m; ++r) gated(G + r * BN, U + r * BN, &H[r * ld + b * BN]);
   }
   row_block(H, ld, m, I, down, ND, D, nullptr, C, out_row);
