@@ -8,7 +8,7 @@
 
 #include "../widen.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -190,8 +190,9 @@ constexpr int64_t ROUTER_ROWS = 4;  // rows a pass over the weights: each weight
 
 // out[r, e] = sum over d of x_r[d] w_e[d] for R rows (fp32, rows D apart): each sum held as 16
 // partial sums (lane j takes d = j mod 16 in order), then halves added (j + 8, j + 4, j + 2, j + 1),
-// so a score is the same whatever rows share the pass. With AVX-512 in registers (GCC kept the
-// portable form's partial sums on the stack: 4x slower).
+// so a score is the same whatever rows share the pass. With AVX-512 or AVX2 in registers (GCC kept
+// the portable form's partial sums on the stack: 4x slower; AVX2's 16 lanes are two vectors, and
+// its halves are added as AVX-512's reduction adds them: the same bits).
 template <int R>
 void router_rows(const float* x, const float* w, int64_t E, int64_t D, float* out) {
   for (int64_t e = 0; e < E; ++e) {
@@ -205,6 +206,25 @@ void router_rows(const float* x, const float* w, int64_t E, int64_t D, float* ou
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + r * D + d), wv, acc[r]);
     }
     for (int r = 0; r < R; ++r) out[r * E + e] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo[R], hi[R];  // lanes j and j + 8 of the 16 partial sums
+    for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(D - d, 8))), lane);
+      const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::max<int64_t>(D - d - 8, 0))), lane);
+      const __m256 w0 = _mm256_maskload_ps(we + d, m0), w1 = _mm256_maskload_ps(we + d + 8, m1);
+      for (int r = 0; r < R; ++r) {
+        lo[r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * D + d, m0), w0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * D + d + 8, m1), w1, hi[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 h8 = _mm256_add_ps(lo[r], hi[r]);                                    // j + 8
+      const __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));  // j + 4
+      const __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));                          // j + 2
+      out[r * E + e] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));        // j + 1
+    }
 #else
     float part[R][16] = {};
     for (int64_t d = 0; d < D; ++d)
