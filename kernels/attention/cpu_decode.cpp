@@ -120,8 +120,8 @@ constexpr std::array VALUES64{values64<1>, values64<2>, values64<3>, values64<4>
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 // The own keys' loops with AVX2's 8-lane vectors (CPUs without AVX-512), where the scalar loops
-// spent half their time reducing each key's dot product across lanes and the other half loading
-// and storing the accumulator rows at every key (perf on the MLA decode of the peer workload).
+// spent about a quarter of their samples reducing each key's dot product across lanes and as much
+// loading and storing the accumulator rows at every key (perf on the MLA decode of the peer workload).
 
 // 8 of p's elements as fp32 (bf16 widened)
 template <typename T>
