@@ -134,26 +134,38 @@ inline __m256 load8(const T* p) {
   }
 }
 
-// p[i] = q . keys[i] for i < n <= 8 (q fp32; Dk a multiple of 8; 8 rows readable at keys): each
-// key's 8 lane sums reduced across lanes for the 8 keys at once (the outputs move from the scalar
-// loops' by fp32 rounding: 1e-7 at the peer workload's sizes)
-template <typename T>
-inline void scores8(const float* q, const T* const* keys, int64_t n, int64_t Dk, float* p) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < Dk; c += 8) {
-    const __m256 qc = _mm256_loadu_ps(q + c);
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, load8(keys[j] + c), acc[j]);
-  }
-  __m256 u[4];  // u[j]: [lanes 0-3 + lanes 4-7 of key j | the same of key j + 4]
+// lane j: the sum of acc[j]'s 8 lanes, ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)) for every j
+inline __m256 sum8(const __m256* acc) {
+  __m256 u[4];  // u[j]: [lanes 0-3 + lanes 4-7 of acc[j] | the same of acc[j + 4]]
   for (int j = 0; j < 4; ++j)
     u[j] = _mm256_add_ps(_mm256_permute2f128_ps(acc[j], acc[j + 4], 0x20), _mm256_permute2f128_ps(acc[j], acc[j + 4], 0x31));
   const __m256 a01 = _mm256_add_ps(_mm256_unpacklo_ps(u[0], u[1]), _mm256_unpackhi_ps(u[0], u[1]));
   const __m256 a23 = _mm256_add_ps(_mm256_unpacklo_ps(u[2], u[3]), _mm256_unpackhi_ps(u[2], u[3]));
-  const __m256 sums = _mm256_add_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE));
+  return _mm256_add_ps(_mm256_shuffle_ps(a01, a23, 0x44), _mm256_shuffle_ps(a01, a23, 0xEE));
+}
+
+// p[r * ld + i] = q_r . keys[i] for the R = 8 / J query rows q_r (fp32, Dk apart) and the keys
+// i < n <= J (Dk a multiple of 8; J rows readable at keys): the 8 (key, row) pairs' lane sums
+// reduced across lanes together (sum8), each key row widened once for all R rows. Every pair's
+// sum is the one a pass per row would make, in the same order (the outputs move from the scalar
+// loops' by fp32 rounding: 1e-7 at the peer workload's sizes).
+template <int J, typename T>
+inline void scores8(const float* q, int64_t Dk, const T* const* keys, int64_t n, float* p, int64_t ld) {
+  constexpr int R = 8 / J;
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < Dk; c += 8) {
+    __m256 qc[R];
+    for (int r = 0; r < R; ++r) qc[r] = _mm256_loadu_ps(q + r * Dk + c);
+    for (int i = 0; i < J; ++i) {
+      const __m256 kc = load8(keys[i] + c);
+      for (int r = 0; r < R; ++r) acc[i * R + r] = _mm256_fmadd_ps(qc[r], kc, acc[i * R + r]);
+    }
+  }
   alignas(32) float out[8];
-  _mm256_store_ps(out, sums);
-  std::copy(out, out + n, p);
+  _mm256_store_ps(out, sum8(acc));
+  for (int i = 0; i < n; ++i)
+    for (int r = 0; r < R; ++r) p[r * ld + i] = out[i * R + r];
 }
 
 // acc[r, 16 columns] += sum_i p[r, i] values[i][col, col + 16) for G rows (p rows ld apart, acc rows
@@ -204,10 +216,12 @@ constexpr int64_t FAR = 160;          // ... and into L2, key and value rows (a 
 //   pages while scoring, each value row 16 keys before it is added (prefetched with the keys, they
 //   were out of L1 by the time the step's values were added: 1.1-1.2x slower at 64 x 1,344 keys;
 //   MLA's latent values are its key rows, not prefetched again).
-// On AVX2 CPUs without AVX-512, the own keys of widths a multiple of 8 (values of 16) run 8 keys'
-// scores at a time (scores8) and the value rows into accumulators held in registers over the step,
-// 4 query heads by 16 columns at a time (values16): 0.71-0.86x the scalar loops' time per MLA
-// decode call and 0.79-0.81x per bf16 GQA one at the peer workload's sizes.
+// On AVX2 CPUs without AVX-512, the own keys of widths a multiple of 8 (values of 16) run 8
+// (key, query head) scores at a time (scores8: a KV head's 4 or 2 query heads against 2 or 4 keys,
+// each key row widened once for them; other group sizes 8 keys a head) and the value rows into
+// accumulators held in registers over the step, 4 query heads by 16 columns at a time (values16):
+// 0.71-0.86x the scalar loops' time per MLA decode call and 0.79-0.81x per bf16 GQA one at the
+// peer workload's sizes, then the heads together 0.91-0.95x again on the built-in Kimi's calls.
 template <typename T>
 void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& pages,
             const at::Tensor& lens, double scale, at::Tensor& out) {
@@ -376,8 +390,16 @@ void decode(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, con
           for (int64_t i = 0; i < cnt; i += 8) {
             for (int64_t j = i + 2 * AHEAD; j < std::min(i + 3 * AHEAD, cnt); ++j)  // the group two on
               prefetch_bytes(krows[j], Dk * int64_t(sizeof(T)));
-            for (int64_t r = 0; r < R; ++r)
-              scores8(qf.data() + r * Dk, krows.data() + i, std::min<int64_t>(8, cnt - i), Dk, p.data() + r * block + i);
+            const int64_t n8 = std::min<int64_t>(8, cnt - i);
+            if (R == 4 || R == 2) {  // R query rows against 8 / R keys at a time
+              const int64_t J = 8 / R;
+              for (int64_t i0 = 0; i0 < n8; i0 += J)
+                (R == 4 ? scores8<2, T> : scores8<4, T>)(qf.data(), Dk, krows.data() + i + i0,
+                                                         std::min(J, n8 - i0), p.data() + i + i0, block);
+            } else {
+              for (int64_t r = 0; r < R; ++r)
+                scores8<8, T>(qf.data() + r * Dk, Dk, krows.data() + i, n8, p.data() + r * block + i, block);
+            }
           }
           softmax_block(p.data(), block, R, cnt, mg, lg, a, Dv);
           for (int64_t r = 0; r < R; r += 4)

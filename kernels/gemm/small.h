@@ -124,14 +124,17 @@ inline void small_mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same register tiles with AVX2's 8-lane vectors (16 registers): RB rows by NB <= 2 vectors of
-// C, each output summed over k in order as above (the same bits as the AVX-512 tiles).
+// C, each output summed over k in order as above (the same bits as the AVX-512 tiles). Where the
+// last vector is whole (`Full`), B's rows are plain loads and no mask takes a register: with one,
+// 6 x 2 tiles had no register left for B's first vector and GCC loaded it again into each of the
+// six FMAs that use it (13 loads a k for 12 FMAs, against 8).
 namespace small_mm_detail {
 
 inline __m256i first_lanes(int64_t n) {  // a mask of lanes 0..n-1
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-template <int RB, int NB>
+template <int RB, int NB, bool Full>
 void tile8(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb, float alpha, float beta,
            float* C, int64_t ldc, __m256i last) {
   __m256 acc[RB][NB];
@@ -140,7 +143,8 @@ void tile8(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, in
   for (int64_t k = 0; k < K; ++k) {
     const float* b = B + k * ldb;
     __m256 bv[NB];
-    for (int n = 0; n < NB; ++n) bv[n] = n + 1 < NB ? _mm256_loadu_ps(b + 8 * n) : _mm256_maskload_ps(b + 8 * n, last);
+    for (int n = 0; n < NB; ++n)
+      bv[n] = Full || n + 1 < NB ? _mm256_loadu_ps(b + 8 * n) : _mm256_maskload_ps(b + 8 * n, last);
     for (int r = 0; r < RB; ++r) {
       const __m256 a = _mm256_broadcast_ss(A + r * ar + k * ak);
       for (int n = 0; n < NB; ++n) acc[r][n] = _mm256_fmadd_ps(a, bv[n], acc[r][n]);
@@ -154,28 +158,29 @@ void tile8(int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, in
 #pragma GCC unroll 32
     for (int n = 0; n < NB; ++n) {
       float* c = C + r * ldc + 8 * n;
-      const __m256i m = n + 1 < NB ? all : last;
+      const __m256i m = Full || n + 1 < NB ? all : last;
       const __m256 out = _mm256_mul_ps(va, acc[r][n]);
       _mm256_maskstore_ps(c, m, _mm256_fmadd_ps(vb, _mm256_maskload_ps(c, keep ? m : none), out));
     }
 }
 
-template <int R, int NB>
+template <int R, int NB, bool Full>
 void rest8(int64_t m, int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb, float alpha,
            float beta, float* C, int64_t ldc, __m256i last) {
   if constexpr (R > 0) {
-    if (m == R) return tile8<R, NB>(K, A, ar, ak, B, ldb, alpha, beta, C, ldc, last);
-    rest8<R - 1, NB>(m, K, A, ar, ak, B, ldb, alpha, beta, C, ldc, last);
+    if (m == R) return tile8<R, NB, Full>(K, A, ar, ak, B, ldb, alpha, beta, C, ldc, last);
+    rest8<R - 1, NB, Full>(m, K, A, ar, ak, B, ldb, alpha, beta, C, ldc, last);
   }
 }
 
-template <int NB>
+template <int NB, bool Full>
 void panel8(int64_t M, int64_t K, const float* A, int64_t ar, int64_t ak, const float* B, int64_t ldb, float alpha,
             float beta, float* C, int64_t ldc, __m256i last) {
   constexpr int RB = NB == 1 ? 8 : 6;  // accumulators, B's vectors, a broadcast and the mask in 16 registers
   int64_t i = 0;
-  for (; i + RB <= M; i += RB) tile8<RB, NB>(K, A + i * ar, ar, ak, B, ldb, alpha, beta, C + i * ldc, ldc, last);
-  rest8<RB - 1, NB>(M - i, K, A + i * ar, ar, ak, B, ldb, alpha, beta, C + i * ldc, ldc, last);
+  for (; i + RB <= M; i += RB)
+    tile8<RB, NB, Full>(K, A + i * ar, ar, ak, B, ldb, alpha, beta, C + i * ldc, ldc, last);
+  rest8<RB - 1, NB, Full>(M - i, K, A + i * ar, ar, ak, B, ldb, alpha, beta, C + i * ldc, ldc, last);
 }
 
 }  // namespace small_mm_detail
@@ -190,10 +195,16 @@ inline void small_mm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float al
   const int64_t ar = ta ? 1 : lda, ak = ta ? lda : 1;
   for (int64_t j0 = 0; j0 < N; j0 += 16) {
     const int64_t n = std::min<int64_t>(16, N - j0);
-    if (n > 8)
-      panel8<2>(M, K, A, ar, ak, B + j0, ldb, alpha, beta, C + j0, ldc, first_lanes(n - 8));
+    const float* b = B + j0;
+    float* c = C + j0;
+    if (n == 16)
+      panel8<2, true>(M, K, A, ar, ak, b, ldb, alpha, beta, c, ldc, first_lanes(8));
+    else if (n > 8)
+      panel8<2, false>(M, K, A, ar, ak, b, ldb, alpha, beta, c, ldc, first_lanes(n - 8));
+    else if (n == 8)
+      panel8<1, true>(M, K, A, ar, ak, b, ldb, alpha, beta, c, ldc, first_lanes(8));
     else
-      panel8<1>(M, K, A, ar, ak, B + j0, ldb, alpha, beta, C + j0, ldc, first_lanes(n));
+      panel8<1, false>(M, K, A, ar, ak, b, ldb, alpha, beta, c, ldc, first_lanes(n));
   }
 }
 

@@ -21,7 +21,7 @@
 
 #include "../matmul.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -234,32 +234,57 @@ void keys(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, int64_t h,
 // A[i, j] X_j) for the rows i of [b0, b1) in order (X [., V], A rows CHUNK apart, beta_i at
 // beta[i * bs]), each row's V values held in registers over its j: the loop it stands for (below,
 // for other widths) kept X_i in memory and waited on its own stores, the same fused
-// multiply-adds in the same order. V = 16 NV.
+// multiply-adds in the same order. V = L NV, L the vector's lanes: 16 with AVX-512, 8 with AVX2.
+#if defined(__AVX512F__)
+struct Lanes {
+  using reg = __m512;
+  static constexpr int L = 16;
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static reg set1(float a) { return _mm512_set1_ps(a); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Lanes {
+  using reg = __m256;
+  static constexpr int L = 8;
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static reg set1(float a) { return _mm256_set1_ps(a); }
+  static reg fnmadd(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+};
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 template <int NV>
 void substitute_rows(float* X, const float* A, int64_t b0, int64_t b1, const float* beta, int64_t bs) {
-#if defined(__AVX512F__)
-  constexpr int64_t V = 16 * NV;
+  using W = Lanes;
+  constexpr int64_t V = W::L * NV;
   for (int64_t i = b0; i < b1; ++i) {
-    __m512 x[NV];
-    for (int n = 0; n < NV; ++n) x[n] = _mm512_loadu_ps(X + i * V + 16 * n);
+    typename W::reg x[NV];
+    for (int n = 0; n < NV; ++n) x[n] = W::load(X + i * V + W::L * n);
     for (int64_t j = b0; j < i; ++j) {
-      const __m512 a = _mm512_set1_ps(A[i * CHUNK + j]);
-      for (int n = 0; n < NV; ++n) x[n] = _mm512_fnmadd_ps(a, _mm512_loadu_ps(X + j * V + 16 * n), x[n]);
+      const auto a = W::set1(A[i * CHUNK + j]);
+      for (int n = 0; n < NV; ++n) x[n] = W::fnmadd(a, W::load(X + j * V + W::L * n), x[n]);
     }
-    const __m512 b = _mm512_set1_ps(beta[i * bs]);
-    for (int n = 0; n < NV; ++n) _mm512_storeu_ps(X + i * V + 16 * n, _mm512_mul_ps(x[n], b));
+    const auto b = W::set1(beta[i * bs]);
+    for (int n = 0; n < NV; ++n) W::store(X + i * V + W::L * n, W::mul(x[n], b));
   }
-#endif
 }
+#endif
 
-// substitute_rows for V channels; false (nothing done) where V is not 16, 32, 48 or 64 or without AVX-512.
+// substitute_rows for V channels; false (nothing done) where V is not 16, 32, 48 or 64, or
+// without AVX-512 or AVX2.
 inline bool substitute(float* X, int64_t V, const float* A, int64_t b0, int64_t b1, const float* beta, int64_t bs) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  constexpr int64_t L = Lanes::L;
   switch (V) {
-    case 16: substitute_rows<1>(X, A, b0, b1, beta, bs); return true;
-    case 32: substitute_rows<2>(X, A, b0, b1, beta, bs); return true;
-    case 48: substitute_rows<3>(X, A, b0, b1, beta, bs); return true;
-    case 64: substitute_rows<4>(X, A, b0, b1, beta, bs); return true;
+    case 16: substitute_rows<16 / L>(X, A, b0, b1, beta, bs); return true;
+    case 32: substitute_rows<32 / L>(X, A, b0, b1, beta, bs); return true;
+    case 48: substitute_rows<48 / L>(X, A, b0, b1, beta, bs); return true;
+    case 64: substitute_rows<64 / L>(X, A, b0, b1, beta, bs); return true;
     default: return false;
   }
 #else
