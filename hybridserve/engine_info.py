@@ -39,6 +39,8 @@ class EngineInfo:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt: must not be empty")
+        if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < self.vocab_size:
+            return ids  # the common case in three C loops, not one Python test per token
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size}); got {bad[:5]}")

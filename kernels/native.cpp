@@ -66,7 +66,8 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, c
                                                           const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
                                                           const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
                                                           double scale, double min_log_decay, const at::Tensor& slots,
-                                                          const at::Tensor& fresh, const at::Tensor& checkpoint_slots);
+                                                          const at::Tensor& fresh, const at::Tensor& checkpoint_slots,
+                                                          const at::Tensor& out);
 
 // chunk_delta_rule_slots with state [N, HV, K, V]: sequence n's state in row n, the checkpoints'
 // states returned. The engine calls the slots form; this one keeps the signature modules built
@@ -77,14 +78,14 @@ static std::tuple<at::Tensor, at::Tensor> chunk_delta_rule(const at::Tensor& q, 
                                                            double scale, double min_log_decay) {
   const auto none = at::empty({0}, at::kLong);
   return chunk_delta_rule_slots(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale, min_log_decay, none, none,
-                                none);
+                                none, none);
 }
 std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
                                                    const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
                                                    at::Tensor& state, const at::Tensor& cu_seqlens,
                                                    const at::Tensor& checkpoints, int64_t chunk_size,
                                                    const at::Tensor& slots, const at::Tensor& fresh,
-                                                   const at::Tensor& checkpoint_slots);
+                                                   const at::Tensor& checkpoint_slots, const at::Tensor& out);
 
 // chunk_ssd_slots with state [N, H, P, S]: sequence n's state in row n, the checkpoints' states
 // returned (kept for kernel_ab.py's cases, as chunk_delta_rule).
@@ -93,7 +94,7 @@ static std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const a
                                                     at::Tensor& state, const at::Tensor& cu_seqlens,
                                                     const at::Tensor& checkpoints, int64_t chunk_size) {
   const auto none = at::empty({0}, at::kLong);
-  return chunk_ssd_slots(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size, none, none, none);
+  return chunk_ssd_slots(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size, none, none, none, none);
 }
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,
@@ -101,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
 at::Tensor causal_conv1d_slots(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh,
                                const at::Tensor& cu_seqlens, const at::Tensor& at_rows,
-                               const at::Tensor& checkpoint_slots, bool silu);
+                               const at::Tensor& checkpoint_slots, bool silu, const at::Tensor& out);
 std::tuple<at::Tensor, at::Tensor> moe_dispatch(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& counts,
                                                 int64_t cap);
 at::Tensor moe_combine(const at::Tensor& y, const at::Tensor& at_rows, const at::Tensor& weight);
@@ -110,6 +111,7 @@ at::Tensor ssd_step(const at::Tensor& x, const at::Tensor& dt, const at::Tensor&
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, double offset, bool cast_first,
                     const at::Tensor& gate, const std::string& act, at::ScalarType out_dtype);
 at::Tensor sigmoid_gate(const at::Tensor& o, const at::Tensor& gate);
+at::Tensor relu2(const at::Tensor& x);
 at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, at::Tensor& state,
                      const at::Tensor& slots, bool silu);
 std::vector<at::Tensor> delta_prepare(const at::Tensor& x, int64_t H, int64_t K, int64_t HV, int64_t V,
@@ -266,6 +268,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ssd_step", &ssd_step, nogil, "Mamba2 SSD decode step, states in place (kernels/mamba2/cpu_ssd.cpp)");
   m.def("rms_norm", &rms_norm, nogil, "RMS norm, optionally gated, one pass per row (kernels/norm/cpu_norm.cpp)");
   m.def("sigmoid_gate", &sigmoid_gate, nogil, "o * sigmoid(gate), rounded as torch's ops (kernels/norm/cpu_norm.cpp)");
+  m.def("relu2", &relu2, nogil, "relu(x)^2 in one pass, rounded as torch's ops (kernels/norm/cpu_norm.cpp)");
   m.def("conv_step", &conv_step, nogil, "causal conv1d decode step, states in place (kernels/conv1d/cpu_conv.cpp)");
   m.def("moe_dispatch", &moe_dispatch, nogil, "rows into their experts' padded blocks (kernels/moe/cpu_moe.cpp)");
   m.def("moe_combine", &moe_combine, nogil, "weighted sum of each token's expert outputs (kernels/moe/cpu_moe.cpp)");

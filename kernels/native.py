@@ -147,20 +147,21 @@ def delta_step(q, k, v, g, beta, state, slots, scale: float) -> torch.Tensor | N
 
 
 def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: float, min_log_decay: float,
-                     slots=EMPTY, fresh=EMPTY, checkpoint_slots=EMPTY):
+                     slots=EMPTY, fresh=EMPTY, checkpoint_slots=EMPTY, out=EMPTY):
     """The chunkwise delta rule (kernels/kda/chunk.py's contract) with `state` [N, HV, K, V] fp32
     advanced in place from each sequence's initial to its final state; checkpoints [C, 2] int64
     rows (sequence, tokens consumed). Returns (o [T, HV, V] fp32, states [C, HV, K, V]), or None
     where the kernel cannot run. With `slots` [N] int64, state is a pool [P, HV, K, V] (fp32, or bf16
     rounded after every chunk; contiguous) and sequence n's state is its row slots[n], read and written in place (zeros
     first where `fresh` [N] bool); with `checkpoint_slots` [C] the checkpoints' states go into
-    those rows of it instead of being returned (then states is empty)."""
+    those rows of it instead of being returned (then states is empty). `out` [T, HV, V] fp32
+    contiguous, where given, receives o (a row range of a round's output: models/layers/state.py)."""
     ext = extension() if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None:
         return None
     q, k, v = (x.to(q.dtype).contiguous() for x in (q, k, v))
     return ext.chunk_delta_rule_slots(q, k, v, _f32(g), _f32(beta), state, cu_seqlens, checkpoints, scale,
-                                      min_log_decay, slots, fresh, checkpoint_slots)
+                                      min_log_decay, slots, fresh, checkpoint_slots, out)
 
 
 def delta_prepare(x, h: int, k: int, hv: int, v: int, a, A_log, dt_bias, b, eps: float):
@@ -188,12 +189,12 @@ def causal_conv1d(x, weight, bias, state, cu_seqlens, at_rows, silu: bool):
 
 
 def causal_conv1d_slots(x, weight, bias, state, slots, fresh, cu_seqlens, at_rows, checkpoint_slots,
-                        silu: bool) -> torch.Tensor | None:
+                        silu: bool, out=EMPTY) -> torch.Tensor | None:
     """causal_conv1d with the conv states in a pool, read and written in place: state [P, D, W-1]
     (fp32 or bf16, contiguous), sequence n's initial state in row slots[n] (zeros where fresh[n])
     advanced there to its final state, the state at each row of at_rows written into row
-    checkpoint_slots[i]. Returns y [T, D] in x's dtype, or None where the kernel cannot run
-    (nothing is written then)."""
+    checkpoint_slots[i]. Returns y [T, D] in x's dtype (written into `out` where given: contiguous,
+    as chunk_delta_rule's), or None where the kernel cannot run (nothing is written then)."""
     ok = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
     ok = ok and state.dtype in (torch.float32, torch.bfloat16) and state.is_contiguous()
     ext = extension() if ok else None
@@ -201,7 +202,7 @@ def causal_conv1d_slots(x, weight, bias, state, slots, fresh, cu_seqlens, at_row
         return None
     empty = weight.new_empty(0, dtype=torch.float32)
     return ext.causal_conv1d_slots(_rows(x), _f32(weight), empty if bias is None else _f32(bias), state, slots,
-                                   fresh, cu_seqlens, at_rows, checkpoint_slots, silu)
+                                   fresh, cu_seqlens, at_rows, checkpoint_slots, silu, out)
 
 
 def ssd_step(x, dt, A, B, C, D, state, slots) -> torch.Tensor | None:
@@ -333,6 +334,13 @@ def sigmoid_gate(o, gate) -> torch.Tensor | None:
     return None if ext is None else ext.sigmoid_gate(_dense(o), _rows(gate))
 
 
+def relu2(x) -> torch.Tensor | None:
+    """relu(x)^2 in one pass, rounded as F.relu then square_ round it in x's dtype (the same bits);
+    None where the kernel cannot run."""
+    ext = extension() if _routable(x) else None
+    return None if ext is None else ext.relu2(_dense(x))
+
+
 def gated_group_norm(x, z, weight, groups: int, eps: float) -> torch.Tensor | None:
     """models/nemotron_h.py's gated norm in one pass: w * norm(x * silu(z)) for x, z [T, D] (z may be
     a column range), the RMS over each of `groups` channel groups, in fp32, cast to z's dtype;
@@ -448,19 +456,36 @@ def moe_combine(y, at, weight) -> torch.Tensor | None:
 
 
 def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int, slots=EMPTY, fresh=EMPTY,
-              checkpoint_slots=EMPTY):
+              checkpoint_slots=EMPTY, out=EMPTY):
     """kernels/mamba2/chunk.py's chunk_ssd with `state` [N, H, P, S] fp32 advanced in place from
     the initial to the final states; checkpoints [C, 2] int64 rows (sequence, tokens consumed).
     Returns (y [T, H, P] in x's dtype, states [C, H, P, S]), or None where the kernel cannot run.
-    `slots`, `fresh` and `checkpoint_slots`: the states in rows of a pool, as chunk_delta_rule."""
+    `slots`, `fresh`, `checkpoint_slots` and `out`: as chunk_delta_rule's. x, B and C are read in
+    place where each token's heads (groups) are contiguous: column ranges of the conv output."""
     ext = extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None:
         return None
-    x, B, C = (t.to(x.dtype).contiguous() for t in (x, B, C))
+    x, B, C = (_token_heads(t.to(x.dtype)) for t in (x, B, C))
     empty = A.new_empty(0, dtype=torch.float32)
     return ext.chunk_ssd_slots(x, dt.float().contiguous(), A.float().contiguous(), B, C,
                                empty if D is None else D.float(), state, cu_seqlens, checkpoints, chunk_size, slots,
-                               fresh, checkpoint_slots)
+                               fresh, checkpoint_slots, out)
+
+
+def out_rows(out: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:
+    """`out` where a kernel can write its output of `shape` and `dtype` into it (a contiguous row
+    range of a round's output), else EMPTY: the kernel makes its own."""
+    if out is None or out.shape != shape or out.dtype != dtype or not out.is_contiguous() or not out.numel():
+        return EMPTY
+    return out
+
+
+def _token_heads(t: torch.Tensor) -> torch.Tensor:
+    """t [T, H, D] as chunk_ssd reads it: each token's [H, D] contiguous, the tokens any stride apart
+    (not overlapping)."""
+    T, H, D = t.shape
+    ok = t.stride(2) == 1 and (H == 1 or t.stride(1) == D) and (T <= 1 or t.stride(0) >= H * D)
+    return t if ok else t.contiguous()
 
 
 # packed weights by id of the tensor they were packed from (dropped when it goes), valid while

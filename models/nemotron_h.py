@@ -112,8 +112,8 @@ class Mamba2Mixer(nn.Module):
                                   cu_seqlens=torch.arange(rows.stop - rows.start + 1, device=dev)),
             lambda rows, st, slots: native.ssd_step(*args(rows), st, slots),  # CPU: states in place
             lambda cp, rows, s0, ck: context_parallel.ssd_prefill(cp, chunk, *args(rows), s0, ck, self.chunk),
-            (lambda rows, st, slots, fresh, cu, ck, ck_slots: chunk_ssd_in_place(
-                *args(rows), st, slots, fresh, cu, ck, ck_slots, self.chunk)) if chunk is chunk_ssd else None,
+            (lambda rows, st, slots, fresh, cu, ck, ck_slots, out: chunk_ssd_in_place(
+                *args(rows), st, slots, fresh, cu, ck, ck_slots, self.chunk, out)) if chunk is chunk_ssd else None,
         )  # [T, H, P] fp32
         return self.out_proj(self.norm(y.reshape(t, -1), z))
 

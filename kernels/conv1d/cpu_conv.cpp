@@ -98,13 +98,12 @@ void conv(const T* x, int64_t ld, const float* wT, const float* bias, const floa
 
 }  // namespace
 
-// x [T, D] (fp32 or bf16, unit stride in D: a column range of a wider projection is read in place); weight [D, W] fp32; bias [D] fp32 or empty; state
-// [N, D, W-1] fp32 contiguous (each sequence's initial conv state); cu_seqlens [N+1] int64;
-// at [C, 2] int64 rows (sequence, tokens of it consumed). Returns (y [T, D] in x's dtype,
-// states [N + C, D, W-1] fp32: each sequence's final conv state, then the state at each row of at).
-std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                                 const at::Tensor& state, const at::Tensor& cu_seqlens,
-                                                 const at::Tensor& at_rows, bool silu) {
+namespace {
+
+// causal_conv1d (below) into out: y's [T, D] contiguous tensor in x's dtype, or empty for a new one
+std::tuple<at::Tensor, at::Tensor> conv_into(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                             const at::Tensor& state, const at::Tensor& cu_seqlens,
+                                             const at::Tensor& at_rows, bool silu, const at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "causal_conv1d: x [T, D] with unit stride in D");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && state.scalar_type() == at::kFloat && state.is_contiguous(),
               "causal_conv1d: fp32 weight and contiguous fp32 state");
@@ -115,7 +114,10 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
   TORCH_CHECK(state.size(0) == N && state.size(1) == D && state.size(2) == W - 1, "state [N, D, W-1]");
   auto wT = weight.t().contiguous();  // [W, D]
   auto b = bias.numel() ? bias.to(at::kFloat).contiguous() : bias;
-  auto y = at::empty({x.size(0), D}, x.options());
+  auto y = out.defined() && out.numel() ? out : at::empty({x.size(0), D}, x.options());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == D && y.scalar_type() == x.scalar_type() &&
+                  y.is_contiguous(),
+              "causal_conv1d: out [T, D] contiguous in x's dtype");
   const int64_t ld = x.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "causal_conv1d", [&] {
     conv<scalar_t>(x.data_ptr<scalar_t>(), ld, wT.data_ptr<float>(), bias.numel() ? b.data_ptr<float>() : nullptr,
@@ -140,14 +142,27 @@ std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::
   return {y, states};
 }
 
+}  // namespace
+
+// x [T, D] (fp32 or bf16, unit stride in D: a column range of a wider projection is read in place); weight [D, W] fp32; bias [D] fp32 or empty; state
+// [N, D, W-1] fp32 contiguous (each sequence's initial conv state); cu_seqlens [N+1] int64;
+// at [C, 2] int64 rows (sequence, tokens of it consumed). Returns (y [T, D] in x's dtype,
+// states [N + C, D, W-1] fp32: each sequence's final conv state, then the state at each row of at).
+std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                                 const at::Tensor& state, const at::Tensor& cu_seqlens,
+                                                 const at::Tensor& at_rows, bool silu) {
+  return conv_into(x, weight, bias, state, cu_seqlens, at_rows, silu, at::Tensor());
+}
+
 // causal_conv1d with the conv states in a pool, read and written in place: state [P, D, W-1]
 // (fp32 or bf16, contiguous), sequence n's initial state in row slots[n] (zeros where fresh[n]),
 // its final state written there (rounded to the pool's dtype, as a copy into it rounds), and the
-// state at each row i of at into row checkpoint_slots[i]. Returns y [T, D] in x's dtype.
+// state at each row i of at into row checkpoint_slots[i]. Returns y [T, D] in x's dtype, written
+// into out where out is not empty (a row range of a round's output, as conv_into takes it).
 at::Tensor causal_conv1d_slots(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                at::Tensor& state, const at::Tensor& slots, const at::Tensor& fresh,
                                const at::Tensor& cu_seqlens, const at::Tensor& at_rows,
-                               const at::Tensor& checkpoint_slots, bool silu) {
+                               const at::Tensor& checkpoint_slots, bool silu, const at::Tensor& out) {
   TORCH_CHECK(state.is_contiguous() && state.dim() == 3 &&
                   (state.scalar_type() == at::kFloat || state.scalar_type() == at::kBFloat16),
               "causal_conv1d_slots: contiguous fp32 or bf16 state [P, D, W-1]");
@@ -164,7 +179,7 @@ at::Tensor causal_conv1d_slots(const at::Tensor& x, const at::Tensor& weight, co
       if (!where.fresh[n])
         for (int64_t i = 0; i < L; ++i) dst[n * L + i] = as_float(pool[where.seq[n] * L + i]);
   });
-  auto [y, states] = causal_conv1d(x, weight, bias, s0, cu_seqlens, at_rows, silu);
+  auto [y, states] = conv_into(x, weight, bias, s0, cu_seqlens, at_rows, silu, out);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, state.scalar_type(), "conv_slots", [&] {
     const float* src = states.data_ptr<float>();
     scalar_t* pool = state.data_ptr<scalar_t>();

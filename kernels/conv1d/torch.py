@@ -136,17 +136,18 @@ def _compiled(x, weight, bias, conv_state, cu_seqlens, activation, checkpoint_at
 
 
 def conv_in_place(x, weight, bias, activation, state, slots, fresh, cu_seqlens, checkpoint_at=None,
-                  checkpoint_slots=None):
+                  checkpoint_slots=None, out=None):
     """causal_conv1d with each sequence's conv state a row of a pool, through the compiled kernel:
     state [P, D, W-1] (fp32 or bf16), sequence n's initial state in row slots[n] (zeros where
     fresh[n]) advanced there in place to its final state, the state after each position of
-    checkpoint_at written into row checkpoint_slots[i]. Returns y [T, D] in x's dtype, or None where
-    the kernel does not run (nothing is written then)."""
+    checkpoint_at written into row checkpoint_slots[i]. Returns y [T, D] in x's dtype (written into
+    `out` where given: contiguous, of y's shape and dtype), or None where the kernel does not run
+    (nothing is written then)."""
     check_conv_args(x, weight, bias, activation)
     cu = seq_bounds(cu_seqlens, x.shape[0], x.device)
     at = native.EMPTY if checkpoint_at is None else checkpoint_slots
     return native.causal_conv1d_slots(x, weight, bias, state, slots, fresh, cu, _checkpoint_rows(checkpoint_at, cu),
-                                      at, activation == "silu")
+                                      at, activation == "silu", native.out_rows(out, x.shape, x.dtype))
 
 
 def _checkpoint_rows(checkpoint_at, cu: torch.Tensor) -> torch.Tensor:

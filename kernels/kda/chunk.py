@@ -90,13 +90,15 @@ def _compiled(q, k, v, g, beta, scale, initial_state, cu, checkpoint_at):
     return o.to(v.dtype), S, states
 
 
-def chunk_in_place(q, k, v, g, beta, state, slots, fresh, cu_seqlens, checkpoint_at=None, checkpoint_slots=None):
+def chunk_in_place(q, k, v, g, beta, state, slots, fresh, cu_seqlens, checkpoint_at=None, checkpoint_slots=None,
+                   out=None):
     """chunk_delta_rule (scale K^-0.5; g [T, HV, K] or [T, HV, 1]) with each sequence's state a
     row of a pool, through the compiled kernel: state [P, HV, K, V] fp32 (or bf16, rounded after
     every 64-token chunk), sequence n's initial
     state in row slots[n] (zeros where fresh[n]) advanced there in place to its final state, the
     state after each position of checkpoint_at written into row checkpoint_slots[i]. Returns o
-    [T, HV, V] in v's dtype, or None where the kernel does not run (nothing is written then)."""
+    [T, HV, V] in v's dtype (written into `out` where given: contiguous fp32 of o's shape, with v
+    fp32), or None where the kernel does not run (nothing is written then)."""
     if not native.state_in_place(state):
         return None
     cu = seq_bounds(cu_seqlens, q.shape[0])
@@ -104,9 +106,10 @@ def chunk_in_place(q, k, v, g, beta, state, slots, fresh, cu_seqlens, checkpoint
     if checkpoint_at is not None:
         cp = check_checkpoints(checkpoint_at, cu)
         rows, at = torch.stack([cp.seq, cp.length], dim=1), checkpoint_slots
-    out = native.chunk_delta_rule(q, k, v, g, beta, state, torch.tensor(cu), rows, q.shape[-1] ** -0.5,
-                                  MIN_LOG_DECAY, slots, fresh, at)
-    return None if out is None else out[0].to(v.dtype)
+    o = native.out_rows(out, v.shape, torch.float32) if v.dtype == torch.float32 else native.EMPTY
+    y = native.chunk_delta_rule(q, k, v, g, beta, state, torch.tensor(cu), rows, q.shape[-1] ** -0.5,
+                                MIN_LOG_DECAY, slots, fresh, at, o)
+    return None if y is None else y[0].to(v.dtype)
 
 
 def _block(block: Block, kq, v, G, beta, S, scale, captures, states):

@@ -447,13 +447,15 @@ void run(const Sizes& s, const Inputs<T>& in, float* o, const std::vector<int64_
 // sequence n's initial state, advanced in place to its final state (empty: row n); fresh [N]
 // bool: sequences that start from zeros instead (empty: none); checkpoint_slots [C] int64: the
 // rows to write the state after each checkpoint into (empty: a new tensor). Every row is written
-// by one sequence or checkpoint at most. Returns (o [T, HV, V] fp32, the checkpoints' states
-// [C, HV, K, V] in state's dtype, or an empty tensor where they went into state's rows).
+// by one sequence or checkpoint at most. out: o's [T, HV, V] contiguous fp32 tensor (a row range
+// of a round's output), or empty for a new one. Returns (o, the checkpoints' states [C, HV, K, V]
+// in state's dtype, or an empty tensor where they went into state's rows).
 std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                           const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
                                                           const at::Tensor& cu_seqlens, const at::Tensor& checkpoints,
                                                           double scale, double min_log_decay, const at::Tensor& slots,
-                                                          const at::Tensor& fresh, const at::Tensor& checkpoint_slots) {
+                                                          const at::Tensor& fresh, const at::Tensor& checkpoint_slots,
+                                                          const at::Tensor& out_rows) {
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "chunk_delta_rule: contiguous q, k, v");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v share one dtype");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&g, &beta})
@@ -470,7 +472,10 @@ std::tuple<at::Tensor, at::Tensor> chunk_delta_rule_slots(const at::Tensor& q, c
   TORCH_CHECK(state.dim() == 4 && state.size(1) == HV && state.size(2) == K && state.size(3) == V, "state [P, HV, K, V]");
   const StateRows where = state_rows(state, N, checkpoints.size(0), slots, fresh, checkpoint_slots, "chunk_delta_rule");
   const Captures captures = checkpoint_plans(checkpoints, N, "chunk_delta_rule");
-  auto out = at::empty({T, HV, V}, v.options().dtype(at::kFloat));
+  auto out = out_rows.numel() ? out_rows : at::empty({T, HV, V}, v.options().dtype(at::kFloat));
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == T && out.size(1) == HV && out.size(2) == V &&
+                  out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "chunk_delta_rule: out [T, HV, V] contiguous fp32");
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "chunk_delta_rule", [&] {
     const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                               g.data_ptr<float>(), beta.data_ptr<float>()};

@@ -42,7 +42,8 @@ struct Scratch {
 
 template <typename T>
 struct Inputs {
-  const T *x, *B, *C;
+  const T *x, *B, *C;     // token t's heads at x + t * sx ([H, P] contiguous), its groups at B + t * sb, C + t * sc
+  int64_t sx, sb, sc;     // (a column range of the conv output is read in place)
   const float *dt, *A, *D;  // D may be null
 };
 
@@ -53,8 +54,8 @@ void group_inputs(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, in
   float *B = w.B.data(), *C = w.C.data();
   for (int64_t i = 0; i < c; ++i)
     for (int64_t d = 0; d < S; ++d) {
-      B[i * S + d] = as_float(in.B[((t0 + i) * s.G + g) * S + d]);
-      C[i * S + d] = as_float(in.C[((t0 + i) * s.G + g) * S + d]);
+      B[i * S + d] = as_float(in.B[(t0 + i) * in.sb + g * S + d]);
+      C[i * S + d] = as_float(in.C[(t0 + i) * in.sc + g * S + d]);
     }
   for (int64_t r0 = 0; r0 < c; r0 += RB) {  // C_i . B_j for j <= i: rows [r0, r1) against the keys up to r1
     const int64_t r1 = std::min(c, r0 + RB);
@@ -71,7 +72,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
   const float A = in.A[hd];
   for (int64_t i = 0; i < c; ++i) {
     const int64_t t = t0 + i;
-    for (int64_t p = 0; p < P; ++p) x[i * P + p] = as_float(in.x[(t * s.H + hd) * P + p]);
+    for (int64_t p = 0; p < P; ++p) x[i * P + p] = as_float(in.x[t * in.sx + hd * P + p]);
     a[i] = in.dt[t * s.H + hd] * A;
     acum[i] = (i ? acum[i - 1] : 0.f) + a[i];
   }
@@ -148,20 +149,26 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
 
 }  // namespace
 
-// x [T, H, P], B, C [T, G, S] (one dtype: fp32 or bf16, contiguous); dt [T, H], A [H], D [H] or
-// empty, fp32; state [rows, H, P, S] fp32 contiguous: rows of states (state_rows.h: sequence n's at
+// x [T, H, P], B, C [T, G, S] (one dtype: fp32 or bf16; each token's [H, P] or [G, S] contiguous,
+// the tokens any stride apart: column ranges of the conv output read in place); dt [T, H], A [H],
+// D [H] or empty, fp32; state [rows, H, P, S] fp32 contiguous: rows of states (state_rows.h: sequence n's at
 // row slots[n], or row n without slots; zeros first where fresh; the checkpoints' into rows
 // checkpoint_slots, or returned), advanced in place from the initial to the final states;
 // cu_seqlens [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it consumed: a
-// multiple of chunk_size or its length). Returns (y [T, H, P] in x's dtype, states [C, H, P, S]
-// fp32, or empty where they went into rows of state).
+// multiple of chunk_size or its length); out: y's [T, H, P] contiguous tensor in x's dtype (a row
+// range of a round's output), or empty for a new one. Returns (y, states [C, H, P, S] fp32, or
+// empty where they went into rows of state).
 std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
                                                    const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
                                                    at::Tensor& state, const at::Tensor& cu_seqlens,
                                                    const at::Tensor& checkpoints, int64_t chunk_size,
                                                    const at::Tensor& slots, const at::Tensor& fresh,
-                                                   const at::Tensor& checkpoint_slots) {
-  TORCH_CHECK(x.is_contiguous() && B.is_contiguous() && C.is_contiguous(), "chunk_ssd: contiguous x, B, C");
+                                                   const at::Tensor& checkpoint_slots, const at::Tensor& out) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &B, &C})
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == t->size(2)) &&
+                    (t->size(0) <= 1 || t->stride(0) >= t->size(1) * t->size(2)),
+                "chunk_ssd: x, B, C with each token's heads or groups contiguous");
+  TORCH_CHECK(B.sizes() == C.sizes() && B.size(0) == x.size(0) && dt.size(0) == x.size(0), "chunk_ssd: x, dt, B, C of T tokens");
   TORCH_CHECK(x.scalar_type() == B.scalar_type() && B.scalar_type() == C.scalar_type(), "x, B, C share one dtype");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&dt, &A, &state})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "chunk_ssd: contiguous fp32 dt, A, state");
@@ -173,17 +180,20 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at
               "state [rows, H, P, S]");
   const StateRows where = state_rows(state, N, checkpoints.size(0), slots, fresh, checkpoint_slots, "chunk_ssd");
   const Captures captures = checkpoint_plans(checkpoints, N, "chunk_ssd");
-  auto out = at::empty_like(x);
+  auto y = out.numel() ? out : at::empty(x.sizes(), x.options());
+  TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() && y.is_contiguous(),
+              "chunk_ssd: out [T, H, P] contiguous in x's dtype");
   auto Df = D.numel() ? D.to(at::kFloat).contiguous() : D;
   std::vector<int64_t> seqs(N);  // longest first
   std::iota(seqs.begin(), seqs.end(), 0);
   std::stable_sort(seqs.begin(), seqs.end(), [&](int64_t p, int64_t q) { return cu[p + 1] - cu[p] > cu[q + 1] - cu[q]; });
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "chunk_ssd", [&] {
     const Inputs<scalar_t> in{x.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(),
+                              x.stride(0), B.stride(0), C.stride(0),
                               dt.data_ptr<float>(), A.data_ptr<float>(), D.numel() ? Df.data_ptr<float>() : nullptr};
-    run(s, in, out.data_ptr<scalar_t>(), cu, seqs, captures, state.data_ptr<float>(), where);
+    run(s, in, y.data_ptr<scalar_t>(), cu, seqs, captures, state.data_ptr<float>(), where);
   });
-  return {out, where.states};
+  return {y, where.states};
 }
 
 // One SSD decode token per sequence with the states advanced in place: x [N, H, P], dt [N, H],

@@ -299,3 +299,30 @@ at::Tensor sigmoid_gate(const at::Tensor& o, const at::Tensor& gate) {
   });
   return y;
 }
+
+namespace {
+
+template <typename T>
+void relu2_range(const T* x, T* y, int64_t begin, int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const float r = std::max(as_float(x[i]), 0.f);
+    y[i] = narrow<T>(r * r);
+  }
+}
+
+}  // namespace
+
+// relu(x)^2 in one pass (NemotronH's MLP activation), rounded as torch's relu then square_ round it
+// in x's dtype: x contiguous, fp32 or bf16. Returns a new tensor.
+at::Tensor relu2(const at::Tensor& x) {
+  TORCH_CHECK(x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "relu2: contiguous fp32 or bf16 x");
+  auto y = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "relu2", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, x.numel(), 1 << 14, [&](int64_t begin, int64_t end) { relu2_range(xp, yp, begin, end); });
+  });
+  return y;
+}

@@ -34,10 +34,11 @@ InPlace = Callable[[slice, torch.Tensor, torch.Tensor], torch.Tensor | None]
 CPPrefill = Callable[[ContextParallel, slice, torch.Tensor, torch.Tensor | None], tuple]
 
 # prefill_in_place(rows, state, slots [Np], fresh [Np] bool, cu_seqlens [Np+1], checkpoint_at [C] |
-#   None, checkpoint_slots [C] | None) -> outputs, the states read from and written into their slots
-#   (zeros first where fresh), or None where its kernel does not run (nothing written)
+#   None, checkpoint_slots [C] | None, out | None) -> outputs, the states read from and written into
+#   their slots (zeros first where fresh), or None where its kernel does not run (nothing written);
+#   the outputs written into `out` (the round's output rows, contiguous) where given and its kernel can
 PrefillInPlace = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
-                           torch.Tensor | None], torch.Tensor | None]
+                           torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
 
 
 def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, decode: Decode,
@@ -52,19 +53,31 @@ def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, d
     runs instead, and every rank ends with the segment's final state and all its checkpoints.
     `prefill_in_place` and `decode_in_place`, where given and their kernels run (not None),
     read and write the slots themselves: no gather of the states before, no scatter after.
-    Returns the outputs in packing order.
+    Returns the outputs in packing order. In a mixed round the decode rows run first (their
+    slots are not the prefills', so the order changes nothing) and their outputs go into the
+    round's output, whose first rows the prefill kernel then writes in place: no concatenation
+    after (both give the layer's dtype and row shape).
     """
     slots = batch.state_slots
     n_pre, t_pre = batch.num_prefills, batch.num_prefill_tokens
-    outs = []
+    full = None  # the round's output, decode rows filled in
+    if batch.num_decodes:  # decode
+        rows = slice(t_pre, batch.num_tokens)
+        dec = decode_in_place(rows, state, slots[n_pre:]) if decode_in_place else None
+        if dec is None:
+            dec, final = decode(rows, state[slots[n_pre:]])
+            state[slots[n_pre:]] = final.to(state.dtype)
+        if not n_pre:
+            return dec
+        full = dec.new_empty((batch.num_tokens, *dec.shape[1:]))
+        full[t_pre:] = dec
     ck = batch.checkpoint_at if batch.checkpoint_at.numel() else None
     out = None
-    if n_pre and batch.cp is None and prefill_in_place is not None:
+    if batch.cp is None and prefill_in_place is not None:
         out = prefill_in_place(slice(0, t_pre), state, slots[:n_pre], batch.prefix_lens[:n_pre] == 0,
-                               batch.cu_seqlens[: n_pre + 1], ck, batch.checkpoint_slots if ck is not None else None)
-    if out is not None:
-        outs.append(out)
-    elif n_pre:  # prefill
+                               batch.cu_seqlens[: n_pre + 1], ck, batch.checkpoint_slots if ck is not None else None,
+                               None if full is None else full[:t_pre])
+    if out is None:  # prefill
         init = state[slots[:n_pre]]  # [Np, ...] (a copy)
         if batch.cp is None:
             init[batch.prefix_lens[:n_pre] == 0] = 0
@@ -80,15 +93,11 @@ def run_with_state(batch: ForwardBatch, state: torch.Tensor, prefill: Prefill, d
             state[batch.checkpoint_slots] = ck_states[0].to(state.dtype)
         if batch.cp is not None:
             batch.cp.share_checkpoints(state)
-        outs.append(out)
-    if batch.num_decodes:  # decode
-        rows = slice(t_pre, batch.num_tokens)
-        out = decode_in_place(rows, state, slots[n_pre:]) if decode_in_place else None
-        if out is None:
-            out, final = decode(rows, state[slots[n_pre:]])
-            state[slots[n_pre:]] = final.to(state.dtype)
-        outs.append(out)
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    if full is None:
+        return out
+    if out.data_ptr() != full.data_ptr():  # not written in place
+        full[:t_pre] = out
+    return full
 
 
 def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -105,8 +114,8 @@ def short_conv(batch: ForwardBatch, state: torch.Tensor, x: torch.Tensor, weight
         lambda r, s0: step(x[r], weight, bias, s0, activation=activation),
         lambda r, st, slots: native.conv_step(x[r], weight, bias, st, slots, silu),
         lambda cp, r, s0, ck: context_parallel.conv_prefill(cp, conv, x[r], weight, bias, activation, s0, ck),
-        (lambda r, st, slots, fresh, cu, ck, ck_slots: conv_in_place(x[r], weight, bias, activation, st, slots,
-                                                                     fresh, cu, ck, ck_slots))
+        (lambda r, st, slots, fresh, cu, ck, ck_slots, out: conv_in_place(x[r], weight, bias, activation, st, slots,
+                                                                          fresh, cu, ck, ck_slots, out))
         if conv is causal_conv1d else None,  # the CPU conv path: its kernel in place
     )
 
@@ -126,9 +135,9 @@ def delta_rule(batch: ForwardBatch, state: torch.Tensor, kind: str, q, k, v, g, 
         o = native.delta_step(q[r], k[r], v[r], g_r, beta[r], st, slots, q.shape[-1] ** -0.5)
         return None if o is None else o.to(v.dtype)
 
-    def prefill_in_place(r, st, slots, fresh, cu, ck, ck_slots):
+    def prefill_in_place(r, st, slots, fresh, cu, ck, ck_slots, out):
         g_r = g[r] if g.dim() == 3 else g[r][..., None]
-        return chunk_in_place(q[r], k[r], v[r], g_r, beta[r], st, slots, fresh, cu, ck, ck_slots)
+        return chunk_in_place(q[r], k[r], v[r], g_r, beta[r], st, slots, fresh, cu, ck, ck_slots, out)
 
     return run_with_state(
         batch,

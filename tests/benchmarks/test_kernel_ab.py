@@ -79,6 +79,30 @@ def test_engine_mode_gives_both_modules_the_same_states_and_keeps_the_new_ones()
     assert both.heads_bf16(None) is None and both.rows["heads_bf16"]["max_diff"] == 0
 
 
+def test_engine_mode_gives_each_module_its_own_output_and_calls_an_old_one_without_out():
+    """A kernel that writes into the round's output rows the engine gives (`out`) gets an empty one
+    on each side instead, so each makes its own output and the two are compared, not one written
+    over the other; a module built before the argument existed is called without it."""
+    seen: dict[str, list] = {"old": [], "new": []}
+
+    def conv(side: str, value: float, takes_out: bool):
+        def causal_conv1d_slots(*args):
+            if len(args) != 10 + takes_out:
+                raise TypeError("incompatible function arguments")
+            seen[side].append(args[10] if takes_out else None)
+            return torch.full((2, 3), value)
+        return types.SimpleNamespace(causal_conv1d_slots=causal_conv1d_slots)
+
+    both = kernel_ab.Both(conv("old", 1.0, False), conv("new", 3.0, True), ["causal_conv1d_slots"])
+    rows, args = torch.zeros(2, 3), [None] * 10
+    args[3] = torch.zeros(4)  # the conv states (restored between the sides)
+    for _ in range(2):
+        y = both.causal_conv1d_slots(*args, rows)
+        assert torch.equal(y, torch.full((2, 3), 3.0)) and not rows.any()
+    assert seen["old"] == [None, None] and all(o.numel() == 0 for o in seen["new"]) and len(seen["new"]) == 2
+    assert both.rows["causal_conv1d_slots"]["max_diff"] == 2.0
+
+
 def test_engine_mode_alternates_which_module_goes_first_per_kernel():
     """Each kernel's calls alternate which module runs first (the second finds the inputs in cache),
     also where two kernels' calls interleave: with one flip shared by all kernels, a layer calling

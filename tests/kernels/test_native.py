@@ -1085,3 +1085,72 @@ def test_silu_and_sigmoid_past_exps_range_are_torchs_zeros_not_nan(dtype):
         assert out is not None and torch.equal(out, torch.zeros_like(out))
     else:
         assert out is None
+
+
+def _written_into(fn, shape, dtype):
+    """fn(out) with out rows [2, 2 + shape[0]) of a larger tensor: (its result, whether the result
+    is those rows, whether the rows around them are as they were)."""
+    big = torch.full((shape[0] + 5, *shape[1:]), 7.0, dtype=dtype)
+    y = fn(big[2 : 2 + shape[0]])
+    around = torch.cat([big[:2], big[2 + shape[0] :]])
+    return y, y.data_ptr() == big[2:].data_ptr(), bool((around == 7.0).all())
+
+
+@needs_kernel
+def test_prefill_kernels_write_into_a_rounds_rows():
+    """The three prefill kernels of a mixed round (SSD, the delta rule, the conv) write their outputs
+    into the rows of the round's output they are given, the same bits as an output of their own,
+    nothing around those rows touched; SSD reads x, B and C as column ranges of the conv output in
+    place, the same bits as contiguous copies. Rows of another dtype or shape are not written:
+    the kernel makes its own output."""
+    from kernels.conv1d.torch import conv_in_place
+    from kernels.kda.chunk import chunk_in_place
+    from kernels.mamba2.chunk import chunk_ssd_in_place
+    from tests.kernels import fla_interpret, test_mamba2
+
+    lengths, slots, fresh = [70, 1, 33], torch.tensor([4, 0, 2]), torch.tensor([True, False, False])
+    T, cu = sum(lengths), torch.tensor([0, *lengths]).cumsum(0)
+    # SSD: x [T, 4, 8], B and C [T, 2, 6] as column ranges of one [T, 56] conv output
+    x, dt, A, B, C, D = test_mamba2.make_inputs(T)
+    conv_out = torch.cat([x.flatten(1), B.flatten(1), C.flatten(1)], 1)
+    xs, Bs, Cs = (t.unflatten(1, s) for t, s in zip(conv_out.split([32, 12, 12], 1), [(4, 8), (2, 6), (2, 6)]))
+    assert not xs.is_contiguous() and not Bs.is_contiguous()
+    pool = test_mamba2.random_state(6)
+    want = chunk_ssd_in_place(x, dt, A, B, C, D, pool.clone(), slots, fresh, cu, chunk_size=32)
+    got, inside, kept = _written_into(lambda out: chunk_ssd_in_place(xs, dt, A, Bs, Cs, D, pool.clone(), slots, fresh,
+                                                                     cu, chunk_size=32, out=out), x.shape, x.dtype)
+    assert inside and kept and torch.equal(got, want)
+    assert torch.equal(chunk_ssd_in_place(xs, dt, A, Bs, Cs, D, pool.clone(), slots, fresh, cu, chunk_size=32), want)
+    # the delta rule
+    q, k, v, g, beta, h0, cu_d = fla_interpret.make_inputs(lengths, False, H=2, HV=4, K=32, V=16)
+    states = torch.randn(6, *h0.shape[1:], generator=torch.Generator().manual_seed(3))
+    want = chunk_in_place(q, k, v, g, beta, states.clone(), slots, fresh, cu_d)
+    got, inside, kept = _written_into(lambda out: chunk_in_place(q, k, v, g, beta, states.clone(), slots, fresh, cu_d,
+                                                                 out=out), v.shape, torch.float32)
+    assert inside and kept and torch.equal(got, want)
+    # the conv, bf16 input read as a column range
+    xc = torch.randn(T, 32, generator=torch.Generator().manual_seed(4)).bfloat16()[:, 4:28]
+    weight, bias = torch.randn(24, 4), torch.randn(24)
+    conv_pool = torch.randn(6, 24, 3)
+    want = conv_in_place(xc, weight, bias, "silu", conv_pool.clone(), slots, fresh, cu)
+    got, inside, kept = _written_into(lambda out: conv_in_place(xc, weight, bias, "silu", conv_pool.clone(), slots,
+                                                                fresh, cu, out=out), xc.shape, xc.dtype)
+    assert inside and kept and torch.equal(got, want)
+    for bad in (torch.float32, (T + 1, 24)):  # another dtype, another shape: the kernel's own output
+        shape, dtype = (bad, xc.dtype) if isinstance(bad, tuple) else (xc.shape, bad)
+        got, inside, kept = _written_into(lambda out: conv_in_place(xc, weight, bias, "silu", conv_pool.clone(), slots,
+                                                                    fresh, cu, out=out), shape, dtype)
+        assert not inside and kept and torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu2_equals_relu_then_square(dtype):
+    """NemotronH's relu(x)^2 in one compiled pass: the bits of F.relu then square_ in x's dtype,
+    zeros and negatives included; a strided x is read right."""
+    x = torch.randn(37, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[0, :5] = torch.tensor([0.0, -0.0, -1.0, 1e-20, 3e19])
+    for t in (x, x[:, 7:250]):
+        want = torch.nn.functional.relu(t).square_()
+        got = native.relu2(t)
+        assert got.dtype == dtype and torch.equal(got, want)
