@@ -4,6 +4,7 @@
                                [--requests 64] [--prefix 1024] [--suffix 256] [--new 64] [--threads 2]
     python -m benchmarks.peers --serve [...]    # both OpenAI servers driven by `vllm bench serve`
     python -m benchmarks.peers --under-load 1 [...]  # each row again beside a busy loop: the spread
+    python -m benchmarks.peers --one-process --rows qwen3-next-cache kimi-builtin-cache  # ours, one process
 
 Offline (default): the workload of benchmarks/engine.py, `--requests` prompts sharing a
 `--prefix`-token prefix with distinct `--suffix`-token tails, `--new` greedy tokens each,
@@ -17,7 +18,11 @@ ratio, the median of each repeat's ratio (ours against the vLLM run beside it), 
 tokens agree, and the share of the CPUs others used during each run (a run they took more
 than `--max-others` of is rerun, `--retries` times at most). `--serve`: each engine's
 server under vLLM's own client (random dataset of `--prefix` shared + `--suffix` own
-tokens, `--new` out), the fastest of `--repeats` runs.
+tokens, `--new` out), the fastest of `--repeats` runs. `--one-process`: our rows only, every
+row's model loaded once in one worker process and the rows' runs alternating in it (the order
+reversed every repeat, each run after the prefix cache is flushed), so rows are compared without
+the host's process-to-process noise (the built-in Kimi row against the Qwen3-Next one); each run's
+others' share is the whole worker's.
 
 vLLM is optional: `--vllm-python` or $HYBRIDSERVE_VLLM_PYTHON (docs/benchmarks.md: recipe).
 The checkpoints (benchmarks/peer_models.py) are built once under `--cache`. Our engine's
@@ -156,6 +161,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.specs:
+        return worker_one_process(args, sources)
 
     work = json.loads(Path(args.workload).read_text())
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_cache=args.prefix_cache == "on",
@@ -167,6 +174,34 @@ def worker(args: argparse.Namespace) -> None:
     wall = time.perf_counter() - t0
     print(json.dumps({"engine": "hybridserve", "wall_s": wall, "threads": torch.get_num_threads(),
                       "sources": sources, "token_ids": [o.token_ids for o in outs]}), flush=True)
+
+
+def worker_one_process(args: argparse.Namespace, sources: str) -> None:
+    """--one-process: every row of the `--specs` file (model, dtype, prefix_cache, workload, cost_profile)
+    loaded and warmed up once, then `--repeats` rounds of one run per row, the order reversed every
+    round; one JSON line a run (its row's index, wall time and tokens)."""
+    import torch
+
+    from hybridserve import LLM, SamplingParams
+
+    specs = json.loads(Path(args.specs).read_text())
+    llms, works = [], []
+    for spec in specs:
+        works.append(json.loads(Path(spec["workload"]).read_text()))
+        llms.append(LLM(spec["model"], dtype=spec["dtype"], enable_prefix_cache=spec["prefix_cache"],
+                        max_running=len(works[-1]["prompts"]), memory_gb=MEMORY_GB,
+                        cost_profile=spec["cost_profile"], state_dtype=args.state_dtype))
+        llms[-1].generate([works[-1]["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    for r in range(args.repeats):
+        for i in range(len(specs)) if r % 2 == 0 else reversed(range(len(specs))):
+            llms[i].engine.scheduler.flush_cache()  # each run from an empty prefix cache, as a fresh process
+            params = SamplingParams(temperature=0, max_tokens=works[i]["new"], ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = llms[i].generate(works[i]["prompts"], params)
+            wall = time.perf_counter() - t0
+            print(json.dumps({"engine": "hybridserve", "row": i, "repeat": r, "wall_s": wall,
+                              "threads": torch.get_num_threads(), "sources": sources,
+                              "token_ids": [o.token_ids for o in outs]}), flush=True)
 
 
 def worker_command(engine: str, row: Row, path: Path, work: Path, args, profile: str | Path | None) -> list[str]:
@@ -265,6 +300,11 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def run_worker(cmd: list[str], log: Path) -> dict:
     """Run one worker process; its JSON line (RuntimeError naming the log when it fails)."""
+    return worker_lines(cmd, log)[-1]
+
+
+def worker_lines(cmd: list[str], log: Path) -> list[dict]:
+    """Run one worker process; its JSON lines (RuntimeError naming the log when it fails)."""
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
@@ -273,7 +313,7 @@ def run_worker(cmd: list[str], log: Path) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"worker failed (exit {proc.returncode}): {' '.join(cmd)}; see {log}")
-    return json.loads(lines[-1])
+    return [json.loads(ln) for ln in lines]
 
 
 def calibrate(path: Path, dtype: str, args, out: Path, log: Path) -> Path:
@@ -319,6 +359,13 @@ def measure(rows: list[Row], paths: dict, args, engines: tuple[str, ...], profil
                 tokens[i][engine] = out["token_ids"]
                 print(f"  {row.label} | {engine} run {r + 1}: {out['wall_s']:.2f} s (others' CPU share: {share:.0%})",
                       flush=True)
+    return summarize(rows, runs, others, tokens, sources, args)
+
+
+def summarize(rows: list[Row], runs: list[dict], others: list[dict], tokens: list[dict], sources: list[set[str]],
+              args) -> list[dict]:
+    """The table's rows from each row's runs per engine: minimum time, tok/s, and against vLLM's
+    the ratio, the per-repeat ratio and the greedy agreement."""
     generated = args.requests * args.new
     results = []
     for i, row in enumerate(rows):
@@ -337,6 +384,42 @@ def measure(rows: list[Row], paths: dict, args, engines: tuple[str, ...], profil
             result["agreement"] = agreement(tokens[i]["hybridserve"], tokens[i]["vllm"]).__dict__
         results.append(result)
     return results
+
+
+def measure_one_process(rows: list[Row], paths: dict, args, profiles: dict, scratch: Path) -> list[dict]:
+    """--one-process: our rows in one worker process (worker_one_process), as measure()'s table."""
+    specs = [{"model": str(paths[r.model][0]), "dtype": r.dtype, "prefix_cache": r.prefix_cache,
+              "workload": str(work_file(r, args, scratch)), "cost_profile": str(profiles[r.model])} for r in rows]
+    spec_file = scratch / "one-process.json"
+    spec_file.write_text(json.dumps(specs))
+    cmd = [sys.executable, "-m", "benchmarks.peers", "--worker", "--specs", str(spec_file), "--repeats",
+           str(args.repeats), "--threads", str(args.threads), "--state-dtype", args.state_dtype]
+    wait_quiet(args.quiet_wait)
+    since, ours = cpu_ticks(), children_cpu_s()
+    lines = worker_lines(cmd, scratch / "workers.log")
+    share = others_share(since, children_cpu_s() - ours)
+    runs: list[dict] = [{"hybridserve": []} for _ in rows]
+    tokens: list[dict] = [{} for _ in rows]
+    for line in lines:
+        i = line["row"]
+        runs[i]["hybridserve"].append(line["wall_s"])
+        tokens[i]["hybridserve"] = line["token_ids"]
+        print(f"  {rows[i].label} | hybridserve run {line['repeat'] + 1} (one process): {line['wall_s']:.2f} s",
+              flush=True)
+    others = [{"hybridserve": [share] * len(r["hybridserve"])} for r in runs]
+    return summarize(rows, runs, others, tokens, [{ln["sources"] for ln in lines}] * len(rows), args)
+
+
+def against_first(results: list[dict]) -> list[str]:
+    """Each later row's speed (tok/s: the rows generate alike) over the first row's, per repeat and
+    their median: the rows of --one-process ran side by side in each repeat."""
+    first = results[0]["runs_s"]["hybridserve"]
+    out = []
+    for r in results[1:]:
+        ratios = [a / b for a, b in zip(first, r["runs_s"]["hybridserve"])]
+        out.append(f"{r['row']} against {results[0]['row']}, per repeat: "
+                   f"{' / '.join(f'{x:.2f}' for x in ratios)}x (median {statistics.median(ratios):.2f}x)")
+    return out
 
 
 def busy_loops(n: int) -> list[subprocess.Popen]:
@@ -507,6 +590,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-others", type=float, default=0.1,
                     help="an offline run during which others used more than this share of the CPUs is rerun")
     ap.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run at most (then it counts)")
+    ap.add_argument("--one-process", action="store_true",
+                    help="ours only: every row in one worker process, the rows' runs alternating in it")
     ap.add_argument("--under-load", type=int, default=0, metavar="N",
                     help="after each row, its runs again with N busy-looping processes beside (spread under load)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
@@ -518,6 +603,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--dtype")
     w.add_argument("--prefix-cache", choices=("on", "off"))
     w.add_argument("--workload")
+    w.add_argument("--specs", help="--one-process: a JSON list of rows to run in this one worker")
     ap.add_argument("--cost-profile", help="our cost profile (name or file) for every run; default: calibrated "
                                            "once per model")
     ap.add_argument("--target-step", type=float, default=None,
@@ -542,6 +628,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = [ROWS[r] for r in args.rows or (["qwen3-next-cache"] if args.serve else list(ROWS))]
     if args.serve and any(r.model == BUILTIN for r in rows):
         sys.exit("--serve compares with vLLM, which cannot load the built-in Kimi model: leave its row out")
+    if args.one_process and (args.serve or args.under_load):
+        sys.exit("--one-process runs our offline rows in one process: not with --serve or --under-load")
+    if args.one_process:
+        engines = ENGINES[:1]
     (args.cache / "runs").mkdir(parents=True, exist_ok=True)  # a folder of its own, whatever else starts this second
     scratch = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=args.cache / "runs"))
     sources = source_fingerprint()
@@ -554,6 +644,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         results = [serve_row(r, paths[r.model][0], args, profiles[r.model], scratch) for r in rows]
         text = serve_table(results)
+    elif args.one_process:
+        results = measure_one_process(rows, paths, args, profiles, scratch)
+        text = table(results) + "".join(f"\n{line}" for line in against_first(results))
     else:
         results = measure(rows, paths, args, engines, profiles, scratch)
         text = table(results)
@@ -566,7 +659,9 @@ def main(argv: list[str] | None = None) -> None:
         text += (f"\n\nWARNING: our sources changed during this run (fingerprint {sources} at the start, then "
                  f"{', '.join(changed)}): its runs measured different code; rerun with the sources left alone")
     print(text)
-    if not args.vllm_python:
+    if args.one_process:
+        print("--one-process: hybridserve only, every row in one process")
+    elif not args.vllm_python:
         print(f"vLLM not configured (--vllm-python or ${VLLM_ENV}): hybridserve only")
     workload_ = {k: getattr(args, k) for k in ("requests", "prefix", "suffix", "new", "threads", "repeats")}
     record = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),

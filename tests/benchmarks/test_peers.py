@@ -229,6 +229,35 @@ def test_rows_take_turns_each_repeat(cache, tmp_path, monkeypatch):
     assert nemotron["runs_s"]["hybridserve"] == [1.0, 4.0] and nemotron["hybridserve_s"] == 1.0
 
 
+def test_one_process_runs_every_row_in_one_worker_alternating(cache, tmp_path, monkeypatch, capsys):
+    """--one-process loads every row's model in one worker and alternates the rows' runs in it, the
+    order reversed every repeat; the table is measure()'s, each later row's per-repeat speed against
+    the first is printed, and vLLM (configured or not) does not run."""
+    commands = []
+    real = peers.worker_lines
+
+    def lines(cmd, log):
+        commands.append(cmd)
+        return real(cmd, log)
+
+    monkeypatch.setattr(peers, "worker_lines", lines)
+    out = tmp_path / "peers.json"
+    peers.main([*SMALL, "--rows", "kimi-builtin-cache", "nemotron-h-nocache", "--cache", str(cache), "--output",
+                str(out), "--repeats", "2", "--one-process", "--vllm-python", str(tmp_path / "no-python")])
+    assert len(commands) == 1 and "--specs" in commands[0]
+    printed = capsys.readouterr().out
+    order = [ln.split(" | ")[0].strip() for ln in printed.splitlines() if "(one process)" in ln]
+    kimi, nemotron = peers.ROWS["kimi-builtin-cache"].label, peers.ROWS["nemotron-h-nocache"].label
+    assert order == [kimi, nemotron, nemotron, kimi]
+    assert f"{nemotron} against {kimi}, per repeat:" in printed and "hybridserve only" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == [kimi, nemotron] and all("vllm_s" not in r for r in rows)
+    for r in rows:
+        assert len(r["runs_s"]["hybridserve"]) == 2 and r["hybridserve_s"] == min(r["runs_s"]["hybridserve"])
+    with pytest.raises(SystemExit, match="one-process"):
+        peers.main([*SMALL, "--one-process", "--under-load", "1"])
+
+
 def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):
     """--under-load N reruns the row with N spinning processes alive during the runs (and gone
     after), and records each run and the slowest / fastest spread."""
