@@ -20,7 +20,7 @@ than `--max-others` of is rerun, `--retries` times at most). `--serve`: each eng
 server under vLLM's own client (random dataset of `--prefix` shared + `--suffix` own
 tokens, `--new` out), the fastest of `--repeats` runs. `--one-process`: our rows only, every
 row's model loaded once in one worker process and the rows' runs alternating in it (the order
-reversed every repeat, each run after the prefix cache is flushed), so rows are compared without
+reversed every repeat, each later run after the prefix cache is flushed), so rows are compared without
 the host's process-to-process noise (the built-in Kimi row against the Qwen3-Next one); each run's
 others' share is the whole worker's.
 
@@ -155,36 +155,18 @@ def source_fingerprint() -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Our side of one measurement (the twin of peer_vllm.py's worker); prints one JSON line."""
+    """Our side of one measurement (the twin of peer_vllm.py's worker): load, warm up, time one
+    generate(); one JSON line. With `--specs` (--one-process) every row of that file (model, dtype,
+    prefix_cache, workload, cost_profile) is loaded and warmed up, then `--repeats` rounds of one
+    run per row follow, the order reversed every round; one JSON line a run (with its row's index)."""
     sources = source_fingerprint()  # before the imports read them
     from hybridserve import LLM, SamplingParams  # isort: skip  (first: the OpenMP wait policy, before torch)
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.specs:
-        return worker_one_process(args, sources)
-
-    work = json.loads(Path(args.workload).read_text())
-    llm = LLM(args.model, dtype=args.dtype, enable_prefix_cache=args.prefix_cache == "on",
-              max_running=len(work["prompts"]), memory_gb=MEMORY_GB, cost_profile=args.cost_profile,
-              state_dtype=args.state_dtype)
-    llm.generate([work["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    t0 = time.perf_counter()
-    outs = llm.generate(work["prompts"], SamplingParams(temperature=0, max_tokens=work["new"], ignore_eos=True))
-    wall = time.perf_counter() - t0
-    print(json.dumps({"engine": "hybridserve", "wall_s": wall, "threads": torch.get_num_threads(),
-                      "sources": sources, "token_ids": [o.token_ids for o in outs]}), flush=True)
-
-
-def worker_one_process(args: argparse.Namespace, sources: str) -> None:
-    """--one-process: every row of the `--specs` file (model, dtype, prefix_cache, workload, cost_profile)
-    loaded and warmed up once, then `--repeats` rounds of one run per row, the order reversed every
-    round; one JSON line a run (its row's index, wall time and tokens)."""
-    import torch
-
-    from hybridserve import LLM, SamplingParams
-
-    specs = json.loads(Path(args.specs).read_text())
+    specs = json.loads(Path(args.specs).read_text()) if args.specs else [
+        {"model": args.model, "dtype": args.dtype, "prefix_cache": args.prefix_cache == "on",
+         "workload": args.workload, "cost_profile": args.cost_profile}]
     llms, works = [], []
     for spec in specs:
         works.append(json.loads(Path(spec["workload"]).read_text()))
@@ -192,9 +174,10 @@ def worker_one_process(args: argparse.Namespace, sources: str) -> None:
                         max_running=len(works[-1]["prompts"]), memory_gb=MEMORY_GB,
                         cost_profile=spec["cost_profile"], state_dtype=args.state_dtype))
         llms[-1].generate([works[-1]["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-    for r in range(args.repeats):
+    for r in range(args.repeats if args.specs else 1):
         for i in range(len(specs)) if r % 2 == 0 else reversed(range(len(specs))):
-            llms[i].engine.scheduler.flush_cache()  # each run from an empty prefix cache, as a fresh process
+            if r:  # a later run from an empty prefix cache, as the first (after the warm-up, as a fresh process)
+                llms[i].engine.scheduler.flush_cache()
             params = SamplingParams(temperature=0, max_tokens=works[i]["new"], ignore_eos=True)
             t0 = time.perf_counter()
             outs = llms[i].generate(works[i]["prompts"], params)
@@ -387,7 +370,7 @@ def summarize(rows: list[Row], runs: list[dict], others: list[dict], tokens: lis
 
 
 def measure_one_process(rows: list[Row], paths: dict, args, profiles: dict, scratch: Path) -> list[dict]:
-    """--one-process: our rows in one worker process (worker_one_process), as measure()'s table."""
+    """--one-process: our rows in one worker process (worker with --specs), as measure()'s table."""
     specs = [{"model": str(paths[r.model][0]), "dtype": r.dtype, "prefix_cache": r.prefix_cache,
               "workload": str(work_file(r, args, scratch)), "cost_profile": str(profiles[r.model])} for r in rows]
     spec_file = scratch / "one-process.json"

@@ -36,7 +36,8 @@ CPPrefill = Callable[[ContextParallel, slice, torch.Tensor, torch.Tensor | None]
 # prefill_in_place(rows, state, slots [Np], fresh [Np] bool, cu_seqlens [Np+1], checkpoint_at [C] |
 #   None, checkpoint_slots [C] | None, out | None) -> outputs, the states read from and written into
 #   their slots (zeros first where fresh), or None where its kernel does not run (nothing written);
-#   the outputs written into `out` (the round's output rows, contiguous) where given and its kernel can
+#   the outputs written into `out` (the round's output rows, contiguous) where given and the kernel
+#   takes it (else returned, and copied there by the caller)
 PrefillInPlace = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
                            torch.Tensor | None, torch.Tensor | None], torch.Tensor | None]
 
