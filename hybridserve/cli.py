@@ -14,7 +14,7 @@ import time
 import types
 import typing
 
-from hybridserve.config import SECTIONS, EngineConfig
+from hybridserve.config import OFFLINE_STEP, SECTIONS, EngineConfig
 from hybridserve.logs import LEVELS, setup_logging
 from hybridserve.sampling import SamplingParams
 from hybridserve.server_config import ServerConfig
@@ -24,13 +24,17 @@ API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 def add_engine_flags(parser: argparse.ArgumentParser, offline: bool = False) -> None:
     """One flag per setting; defaults come from the dataclasses (model: see add_model_arg).
-    offline (generate): --target-step defaults to LLM's offline choice, max_step."""
+    offline (generate): --max-step and --target-step default to LLM's offline choices
+    (OFFLINE_STEP, and max_step)."""
     group = parser.add_argument_group("engine settings")
     hints = {sec: typing.get_type_hints(cls) for sec, cls in ((None, EngineConfig), *SECTIONS.items())}
     for name, (sec, f) in EngineConfig.settings().items():
         if name == "target_step" and offline:
             group.add_argument("--target-step", type=float, default=argparse.SUPPRESS,
                                help=f"{f.metadata['help']} (default: max_step; offline, as LLM)")
+        elif name == "max_step" and offline:
+            group.add_argument("--max-step", type=float, default=argparse.SUPPRESS,
+                               help=f"{f.metadata['help']} (default: {OFFLINE_STEP}; offline, as LLM)")
         elif name != "model":
             add_field_flag(group, f, hints[sec][name], f.default)
 
@@ -72,8 +76,10 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     settings = {name: getattr(args, name) for name in EngineConfig.settings() if name != "model" and name in args}
-    # only generate's --target-step can be absent (no default): then its offline choice, as LLM's
-    return (EngineConfig.from_settings if "target_step" in args else EngineConfig.offline)(model=args.model, **settings)
+    # only generate's --max-step and --target-step can be absent (no default): then their offline
+    # choices, as LLM's
+    offline = "target_step" not in args or "max_step" not in args
+    return (EngineConfig.offline if offline else EngineConfig.from_settings)(model=args.model, **settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,6 +19,12 @@ from state_cache import CacheConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("auto", "float32", "bfloat16")
+# Offline rounds' predicted seconds (max_step, and target_step with it) unless given. Per prompt
+# token a round costs less the larger it is (each round reads every weight once, runs every layer's
+# kernels once, and carries the decode rows of finished prompts); on the 2-core CPU host of
+# docs/benchmarks.md the offline rows ran 5-9% faster in 1 s rounds than in 0.5 s ones and no
+# faster in 2 s ones. The server keeps SchedulerConfig's max_step: there it bounds decode gaps.
+OFFLINE_STEP = 1.0
 SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig}
 
 
@@ -122,10 +128,11 @@ class EngineConfig:
     def offline(cls, **settings: Any) -> EngineConfig:
         """from_settings for offline generation (`LLM`, `hybridserve generate`): nobody reads a
         token before its whole output, so the serial policies' rounds fill up to `max_step`
-        rather than the server's `target_step` (an inter-token latency target), unless
-        `target_step` (or a `scheduler` section) is given."""
-        if "target_step" not in settings and "scheduler" not in settings:
-            settings["target_step"] = settings.get("max_step", SchedulerConfig.max_step)
+        (OFFLINE_STEP unless given) rather than the server's `target_step` (an inter-token
+        latency target), unless `target_step` (or a `scheduler` section) is given."""
+        if "scheduler" not in settings:
+            settings.setdefault("max_step", OFFLINE_STEP)
+            settings.setdefault("target_step", settings["max_step"])
         return cls.from_settings(**settings)
 
     def replace(self, **settings: Any) -> EngineConfig:

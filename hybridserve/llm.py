@@ -15,8 +15,8 @@ from hybridserve.sampling import SamplingParams
 
 class LLM:
     """`LLM(model, **settings)`: an Engine built from flat setting names (EngineConfig), offline:
-    its rounds fill up to `max_step` unless `target_step` (or a `scheduler` section) is given
-    (EngineConfig.offline): fewer, larger rounds than the server's."""
+    its rounds fill up to `max_step` (1 s unless given: config.OFFLINE_STEP) unless `target_step`
+    (or a `scheduler` section) is given (EngineConfig.offline): fewer, larger rounds than the server's."""
 
     def __init__(self, model: str = "builtin", **settings):
         self.engine = Engine(EngineConfig.offline(model=model, **settings))

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 import hybridserve
 from hybridserve import LLM, Engine, EngineConfig, SamplingParams
 from hybridserve.async_engine import AsyncEngine
+from hybridserve.config import OFFLINE_STEP
 from hybridserve.server import build_app
 from scheduler import SchedulerConfig
 from state_cache import CacheConfig
@@ -61,9 +62,9 @@ def test_generate_validates_every_prompt_before_queueing_any(profile):
 
 
 def test_offline_rounds_fill_up_to_max_step(tmp_path):
-    """LLM's rounds fill up to max_step (offline nobody reads a token before its whole output);
-    with the server's target_step the same prompts take more rounds, and give the same tokens.
-    A target or max_step given is kept."""
+    """LLM's rounds fill up to max_step (offline nobody reads a token before its whole output),
+    OFFLINE_STEP unless given, above the server's; with the server's target_step the same
+    prompts take more rounds, and give the same tokens. A target or max_step given is kept."""
     path = tmp_path / "cost.json"
     path.write_text(json.dumps({"c0": 1e-3, "c_tok": 1e-4}))  # ~1,000 tokens in 0.1 s, ~5,000 in 0.5 s
     prompts = [[(7 * i + j) % 250 + 1 for j in range(600)] for i in range(4)]
@@ -71,12 +72,16 @@ def test_offline_rounds_fill_up_to_max_step(tmp_path):
     runs = {}
     for name, extra in (("offline", {}), ("server", {"target_step": SchedulerConfig.target_step})):
         llm = LLM(cost_profile=str(path), memory_gb=0.25, max_running=4, **extra)
-        runs[name] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.scheduler.counters["rounds"])
+        sched = llm.engine.config.scheduler
+        runs[name] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.scheduler.counters["rounds"],
+                      (sched.target_step, sched.max_step))
     assert EngineConfig().scheduler.target_step == SchedulerConfig.target_step < SchedulerConfig.max_step
     assert runs["offline"][0] == runs["server"][0]
     assert runs["offline"][1] == 2 < runs["server"][1]  # one prefill round, one decode round
+    assert runs["offline"][2] == (OFFLINE_STEP, OFFLINE_STEP) and OFFLINE_STEP > SchedulerConfig.max_step
     assert LLM(cost_profile=str(path), memory_gb=0.25, max_step=0.3).engine.config.scheduler.target_step == 0.3
-    assert LLM(cost_profile=str(path), memory_gb=0.25, target_step=0.05).engine.config.scheduler.target_step == 0.05
+    given = LLM(cost_profile=str(path), memory_gb=0.25, target_step=0.05).engine.config.scheduler
+    assert (given.target_step, given.max_step) == (0.05, OFFLINE_STEP)
 
 
 def test_vllm_prompt_forms_give_the_same_tokens(profile):

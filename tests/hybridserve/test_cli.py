@@ -16,7 +16,7 @@ from benchmarks.soak_server import free_port, wait_up
 from hybridserve import LLM, SamplingParams
 from hybridserve import calibrate as calibrate_module
 from hybridserve.cli import build_parser, engine_config, main
-from hybridserve.config import EngineConfig
+from hybridserve.config import OFFLINE_STEP, EngineConfig
 from hybridserve.logs import PACKAGES, setup_logging
 from scheduler.config import SchedulerConfig
 from scheduler.cost import COEFFS, CostModel
@@ -158,8 +158,9 @@ def test_generate_prints_the_completion(capsys, profile):
 
 
 def test_generate_fills_rounds_up_to_max_step_as_llm_does(capsys, profile, monkeypatch):
-    """`generate` is offline: its rounds fill up to max_step (whatever --max-step says) unless
-    --target-step is given; `serve` keeps the server's target_step."""
+    """`generate` is offline: its rounds fill up to max_step (whatever --max-step says, the
+    offline OFFLINE_STEP unless given) unless --target-step is given; `serve` keeps the
+    server's target_step and max_step."""
     import hybridserve.llm
 
     seen = []
@@ -167,16 +168,18 @@ def test_generate_fills_rounds_up_to_max_step_as_llm_does(capsys, profile, monke
     class Spy(hybridserve.llm.LLM):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            seen.append(self.engine.config.scheduler.target_step)
+            seen.append((self.engine.config.scheduler.target_step, self.engine.config.scheduler.max_step))
 
     monkeypatch.setattr(hybridserve.llm, "LLM", Spy)
     for extra in ([], ["--target-step", "0.2"], ["--max-step", "0.05"]):  # a max below serve's default target too
         assert main(["generate", "--prompt", "x", "--max-tokens", "1", "--cost-profile", profile, *SMALL, *extra]) == 0
-    assert seen == [SchedulerConfig.max_step, 0.2, 0.05]
-    assert engine_config(parse("serve")).scheduler.target_step == SchedulerConfig.target_step
+    assert seen == [(OFFLINE_STEP, OFFLINE_STEP), (0.2, OFFLINE_STEP), (0.05, 0.05)]
+    served = engine_config(parse("serve")).scheduler
+    assert (served.target_step, served.max_step) == (SchedulerConfig.target_step, SchedulerConfig.max_step)
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
-    assert "(default: max_step; offline, as LLM)" in " ".join(capsys.readouterr().out.split())
+    help_ = " ".join(capsys.readouterr().out.split())
+    assert "(default: max_step; offline, as LLM)" in help_ and f"(default: {OFFLINE_STEP}; offline, as LLM)" in help_
 
 
 def test_calibrate_writes_a_profile(capsys, tmp_path, monkeypatch):
