@@ -5,6 +5,7 @@
     python -m benchmarks.peers --serve [...]    # both OpenAI servers driven by `vllm bench serve`
     python -m benchmarks.peers --under-load 1 [...]  # each row again beside a busy loop: the spread
     python -m benchmarks.peers --one-process --rows qwen3-next-cache kimi-builtin-cache  # ours, one process
+    python -m benchmarks.peers --one-process --rows nemotron-h-nocache --max-step 0.5 1  # a row per round size
 
 Offline (default): the workload of benchmarks/engine.py, `--requests` prompts sharing a
 `--prefix`-token prefix with distinct `--suffix`-token tails, `--new` greedy tokens each,
@@ -22,7 +23,9 @@ tokens, `--new` out), the fastest of `--repeats` runs. `--one-process`: our rows
 row's model loaded once in one worker process and the rows' runs alternating in it (the order
 reversed every repeat, each later run after the prefix cache is flushed), so rows are compared without
 the host's process-to-process noise (the built-in Kimi row against the Qwen3-Next one); each run's
-others' share is the whole worker's.
+others' share is the whole worker's. `--max-step S`: our offline rounds' predicted seconds (LLM's
+max_step, 1 s unless given); with `--one-process` several values run every row once per value,
+side by side (how the offline default was chosen: docs/scheduler.md).
 
 vLLM is optional: `--vllm-python` or $HYBRIDSERVE_VLLM_PYTHON (docs/benchmarks.md: recipe).
 The checkpoints (benchmarks/peer_models.py) are built once under `--cache`. Our engine's
@@ -46,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 
@@ -166,13 +169,15 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     specs = json.loads(Path(args.specs).read_text()) if args.specs else [
         {"model": args.model, "dtype": args.dtype, "prefix_cache": args.prefix_cache == "on",
-         "workload": args.workload, "cost_profile": args.cost_profile}]
+         "workload": args.workload, "cost_profile": args.cost_profile,
+         "max_step": args.max_step[0] if args.max_step else None}]
     llms, works = [], []
     for spec in specs:
         works.append(json.loads(Path(spec["workload"]).read_text()))
         llms.append(LLM(spec["model"], dtype=spec["dtype"], enable_prefix_cache=spec["prefix_cache"],
                         max_running=len(works[-1]["prompts"]), memory_gb=MEMORY_GB,
-                        cost_profile=spec["cost_profile"], state_dtype=args.state_dtype))
+                        cost_profile=spec["cost_profile"], state_dtype=args.state_dtype,
+                        **({"max_step": spec["max_step"]} if spec.get("max_step") else {})))
         llms[-1].generate([works[-1]["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     for r in range(args.repeats if args.specs else 1):
         for i in range(len(specs)) if r % 2 == 0 else reversed(range(len(specs))):
@@ -184,6 +189,7 @@ def worker(args: argparse.Namespace) -> None:
             wall = time.perf_counter() - t0
             print(json.dumps({"engine": "hybridserve", "row": i, "repeat": r, "wall_s": wall,
                               "threads": torch.get_num_threads(), "sources": sources,
+                              "max_step": llms[i].engine.config.scheduler.max_step,
                               "token_ids": [o.token_ids for o in outs]}), flush=True)
 
 
@@ -193,7 +199,8 @@ def worker_command(engine: str, row: Row, path: Path, work: Path, args, profile:
     if engine == "vllm":
         return [args.vllm_python, str(HERE / "peer_vllm.py"), "worker", *common]
     return [sys.executable, "-m", "benchmarks.peers", "--worker", *common, "--state-dtype", args.state_dtype,
-            *(["--cost-profile", str(profile)] if profile else [])]
+            *(["--cost-profile", str(profile)] if profile else []),
+            *(["--max-step", str(args.max_step[0])] if args.max_step else [])]
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -370,9 +377,13 @@ def summarize(rows: list[Row], runs: list[dict], others: list[dict], tokens: lis
 
 
 def measure_one_process(rows: list[Row], paths: dict, args, profiles: dict, scratch: Path) -> list[dict]:
-    """--one-process: our rows in one worker process (worker with --specs), as measure()'s table."""
+    """--one-process: our rows in one worker process (worker with --specs), as measure()'s table;
+    with several --max-step values, every row once per value (its label naming the value)."""
+    steps = args.max_step or [None]
     specs = [{"model": str(paths[r.model][0]), "dtype": r.dtype, "prefix_cache": r.prefix_cache,
-              "workload": str(work_file(r, args, scratch)), "cost_profile": str(profiles[r.model])} for r in rows]
+              "workload": str(work_file(r, args, scratch)), "cost_profile": str(profiles[r.model]), "max_step": s}
+             for r in rows for s in steps]
+    rows = [r if s is None else replace(r, label=f"{r.label}, max_step {s:g} s") for r in rows for s in steps]
     spec_file = scratch / "one-process.json"
     spec_file.write_text(json.dumps(specs))
     cmd = [sys.executable, "-m", "benchmarks.peers", "--worker", "--specs", str(spec_file), "--repeats",
@@ -383,14 +394,17 @@ def measure_one_process(rows: list[Row], paths: dict, args, profiles: dict, scra
     share = others_share(since, children_cpu_s() - ours)
     runs: list[dict] = [{"hybridserve": []} for _ in rows]
     tokens: list[dict] = [{} for _ in rows]
+    max_steps: list[float] = [0.0] * len(rows)  # what each row's engine took
     for line in lines:
         i = line["row"]
+        max_steps[i] = line["max_step"]
         runs[i]["hybridserve"].append(line["wall_s"])
         tokens[i]["hybridserve"] = line["token_ids"]
         print(f"  {rows[i].label} | hybridserve run {line['repeat'] + 1} (one process): {line['wall_s']:.2f} s",
               flush=True)
     others = [{"hybridserve": [share] * len(r["hybridserve"])} for r in runs]
-    return summarize(rows, runs, others, tokens, [{ln["sources"] for ln in lines}] * len(rows), args)
+    results = summarize(rows, runs, others, tokens, [{ln["sources"] for ln in lines}] * len(rows), args)
+    return [res | {"max_step": m} for res, m in zip(results, max_steps)]
 
 
 def against_first(results: list[dict]) -> list[str]:
@@ -575,6 +589,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--retries", type=int, default=2, help="reruns of a disturbed run at most (then it counts)")
     ap.add_argument("--one-process", action="store_true",
                     help="ours only: every row in one worker process, the rows' runs alternating in it")
+    ap.add_argument("--max-step", type=float, nargs="+", default=None, metavar="S",
+                    help="our offline rounds' predicted seconds (LLM's max_step; default: its own, 1 s); with "
+                         "--one-process several values run every row once per value, side by side")
     ap.add_argument("--under-load", type=int, default=0, metavar="N",
                     help="after each row, its runs again with N busy-looping processes beside (spread under load)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
@@ -613,6 +630,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--serve compares with vLLM, which cannot load the built-in Kimi model: leave its row out")
     if args.one_process and (args.serve or args.under_load):
         sys.exit("--one-process runs our offline rows in one process: not with --serve or --under-load")
+    if args.max_step and (args.serve or (len(args.max_step) > 1 and not args.one_process)):
+        sys.exit("--max-step sets our offline rounds (not --serve's server); several values need --one-process")
     if args.one_process:
         engines = ENGINES[:1]
     (args.cache / "runs").mkdir(parents=True, exist_ok=True)  # a folder of its own, whatever else starts this second

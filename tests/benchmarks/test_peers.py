@@ -258,6 +258,23 @@ def test_one_process_runs_every_row_in_one_worker_alternating(cache, tmp_path, m
         peers.main([*SMALL, "--one-process", "--under-load", "1"])
 
 
+def test_one_process_runs_each_row_once_per_max_step(cache, tmp_path, capsys):
+    """--one-process --max-step A B runs every row once per value in the one worker, each engine
+    built with its value (the worker reports it), labels naming it; several values are refused
+    without --one-process, any with --serve."""
+    out = tmp_path / "peers.json"
+    peers.main([*SMALL, "--rows", "nemotron-h-nocache", "--cache", str(cache), "--output", str(out), "--repeats",
+                "1", "--one-process", "--max-step", "0.25", "2"])
+    rows = json.loads(out.read_text())["rows"]
+    label = peers.ROWS["nemotron-h-nocache"].label
+    assert [r["row"] for r in rows] == [f"{label}, max_step 0.25 s", f"{label}, max_step 2 s"]
+    assert [r["max_step"] for r in rows] == [0.25, 2.0]
+    assert f"{label}, max_step 2 s against {label}, max_step 0.25 s, per repeat:" in capsys.readouterr().out
+    for bad in (["--max-step", "0.5", "1"], ["--serve", "--max-step", "1", "--vllm-python", str(tmp_path)]):
+        with pytest.raises(SystemExit, match="max-step"):
+            peers.main([*SMALL, "--cache", str(cache), *bad])
+
+
 def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):
     """--under-load N reruns the row with N spinning processes alive during the runs (and gone
     after), and records each run and the slowest / fastest spread."""
