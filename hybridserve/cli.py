@@ -28,13 +28,12 @@ def add_engine_flags(parser: argparse.ArgumentParser, offline: bool = False) -> 
     (OFFLINE_STEP, and max_step)."""
     group = parser.add_argument_group("engine settings")
     hints = {sec: typing.get_type_hints(cls) for sec, cls in ((None, EngineConfig), *SECTIONS.items())}
+    # absent unless given (EngineConfig.offline fills them in): what their help names as the default
+    unset = {"target_step": "max_step", "max_step": str(OFFLINE_STEP)} if offline else {}
     for name, (sec, f) in EngineConfig.settings().items():
-        if name == "target_step" and offline:
-            group.add_argument("--target-step", type=float, default=argparse.SUPPRESS,
-                               help=f"{f.metadata['help']} (default: max_step; offline, as LLM)")
-        elif name == "max_step" and offline:
-            group.add_argument("--max-step", type=float, default=argparse.SUPPRESS,
-                               help=f"{f.metadata['help']} (default: {OFFLINE_STEP}; offline, as LLM)")
+        if name in unset:
+            group.add_argument(f"--{name.replace('_', '-')}", type=float, default=argparse.SUPPRESS,
+                               help=f"{f.metadata['help']} (default: {unset[name]}; offline, as LLM)")
         elif name != "model":
             add_field_flag(group, f, hints[sec][name], f.default)
 
