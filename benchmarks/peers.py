@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> None:
         print("--one-process: hybridserve only, every row in one process")
     elif not args.vllm_python:
         print(f"vLLM not configured (--vllm-python or ${VLLM_ENV}): hybridserve only")
-    workload_ = {k: getattr(args, k) for k in ("requests", "prefix", "suffix", "new", "threads", "repeats")}
+    workload_ = {k: getattr(args, k) for k in ("requests", "prefix", "suffix", "new", "threads", "repeats", "max_step")}
     record = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "workload": workload_, "vllm_python": args.vllm_python, "sources": sources,
               "sources_changed": changed, "rows": results}
