@@ -19,7 +19,7 @@ ratios to `ours`, and the outputs are checked to be the same bits (oneDNN's micr
 or within a bf16 step (our own ones, which sum in another order). Freed memory is kept, as
 the engine keeps it (hybridserve/host.py).
 
-`--fp32`: the fp32 micro-kernel (`linear_f32`, on AVX-512 BF16 CPUs without AMX) against
+`--fp32`: the fp32 micro-kernel (`linear_f32`: AVX-512 BF16 without AMX, AVX2 without AVX-512) against
 torch's fp32 matmul (MKL's sgemm) at decode and prefill sizes, with each one's largest error
 against the fp64 product.
 """
@@ -71,7 +71,8 @@ def row(rows: int, outs: int, ins: int, repeats: int) -> dict[str, float]:
 
 # (rows, outputs, inputs) for --fp32: decode and prefill sizes, narrow and wide outputs
 F32_SHAPES = [(1, 1024, 256), (64, 1024, 256), (37, 520, 1024), (4096, 1024, 256), (4096, 256, 1024),
-              (4096, 3000, 256)]
+              (4096, 3000, 256), (64, 1096, 256), (64, 256, 512), (64, 4096, 256), (16000, 1096, 256),
+              (16000, 256, 512), (16000, 512, 256)]
 
 
 def f32_rows(repeats: int) -> None:
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     keep_freed_memory()
     if args.fp32:
         if native.linear_f32(torch.zeros(1, 2), torch.zeros(1, 2)) is None:
-            raise SystemExit("the fp32 kernel does not run on this CPU (AVX-512 BF16 without AMX only) or is not built")
+            raise SystemExit("the fp32 kernel does not run on this CPU (only AVX-512 BF16 without AMX, or AVX2 "
+                             "without AVX-512) or is not built")
         print(f"{args.threads} threads, fp32, minimum of {args.repeats} alternating calls")
         f32_rows(args.repeats)
         return

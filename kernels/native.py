@@ -545,7 +545,8 @@ def linear_f32(x, weight, bias=None) -> torch.Tensor | None:
     """F.linear(x, weight, bias) for fp32 x [..., K] and weight [N, K] through gemm/cpu_gemm.cpp's
     fp32 micro-kernel (the weight packed on first use; each output summed over K in order, the same
     whatever rows share the call), or None where it does not run (another dtype or device,
-    autograd, or a CPU other than AVX-512 BF16 without AMX: then torch's matmul, MKL's sgemm)."""
+    autograd, or a CPU with AMX, or AVX-512 without BF16, or neither AVX-512 BF16 nor AVX2: then
+    torch's matmul, MKL's sgemm)."""
     ext = extension() if x.dtype == weight.dtype == torch.float32 and _plain(x, weight) else None
     if ext is None or not _f32_gemm_supported(ext):
         return None

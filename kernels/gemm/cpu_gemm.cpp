@@ -38,6 +38,11 @@
 // place, and its output, times its gate, joins the sum in the same pass. No padding, no copies of
 // the expert weights, one call per layer. `moe_f32` is the same driver for fp32 experts (plain
 // blocks, the fp32 micro-kernel, nothing rounded between the steps) where `linear_f32` runs.
+//
+// `linear_f32`: the fp32 twin of linear_bf16 over the same drivers and blocks (plain fp32), on
+// AVX-512 BF16 CPUs without AMX (small_mm's tile) and AVX2 CPUs without AVX-512 (fma_rows, the
+// rows read as they are); elsewhere torch's fp32 matmul (MKL) runs. Every output is one fp32 sum
+// over K in order, the same whichever rows share the call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -101,17 +106,17 @@ void pack_into(const float* w, int64_t ldw, int64_t N, int64_t K, float* out) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// R rows of a [R, K] fp32 (rows K apart) times b [K, BN] fp32 -> c [R, BN] (rows BN apart): per
+// R rows of a [R, K] fp32 (rows lda apart) times b [K, BN] fp32 -> c [R, BN] (rows BN apart): per
 // 16 columns, R x 2 accumulators, each output summed over k in order.
 template <int R>
-void fma_rows(const float* a, int64_t K, const float* b, float* c) {
+void fma_rows(const float* a, int64_t lda, int64_t K, const float* b, float* c) {
   for (int64_t j = 0; j < BN; j += 16) {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
       const __m256 b0 = _mm256_loadu_ps(b + k * BN + j), b1 = _mm256_loadu_ps(b + k * BN + j + 8);
       for (int r = 0; r < R; ++r) {
-        const __m256 x = _mm256_broadcast_ss(a + r * K + k);
+        const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
         acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
       }
@@ -120,6 +125,20 @@ void fma_rows(const float* a, int64_t K, const float* b, float* c) {
       _mm256_storeu_ps(c + r * BN + j, acc[r][0]);
       _mm256_storeu_ps(c + r * BN + j + 8, acc[r][1]);
     }
+  }
+}
+
+// C [m, BN] = a [m, K] fp32 (rows lda apart) times b [K, BN] fp32, six rows at a time.
+void fma_block(int64_t m, int64_t K, const float* a, int64_t lda, const float* b, float* C) {
+  int64_t r = 0;
+  for (; r + 6 <= m; r += 6) fma_rows<6>(a + r * lda, lda, K, b, C + r * BN);
+  switch (m - r) {
+    case 5: fma_rows<5>(a + r * lda, lda, K, b, C + r * BN); break;
+    case 4: fma_rows<4>(a + r * lda, lda, K, b, C + r * BN); break;
+    case 3: fma_rows<3>(a + r * lda, lda, K, b, C + r * BN); break;
+    case 2: fma_rows<2>(a + r * lda, lda, K, b, C + r * BN); break;
+    case 1: fma_rows<1>(a + r * lda, lda, K, b, C + r * BN); break;
+    default: break;
   }
 }
 #endif
@@ -160,28 +179,20 @@ void micro(int64_t m, int64_t K, const BFloat16* A, int64_t lda, const BFloat16*
   thread_local std::vector<float> b;
   b.resize(K * BN);
   for (int64_t i = 0; i < K * BN; ++i) b[i] = as_float(B[i]);
-  const float* a = wide ? wide : widened(A, lda, m, K);
-  int64_t r = 0;
-  for (; r + 6 <= m; r += 6) fma_rows<6>(a + r * K, K, b.data(), C + r * BN);
-  switch (m - r) {
-    case 5: fma_rows<5>(a + r * K, K, b.data(), C + r * BN); break;
-    case 4: fma_rows<4>(a + r * K, K, b.data(), C + r * BN); break;
-    case 3: fma_rows<3>(a + r * K, K, b.data(), C + r * BN); break;
-    case 2: fma_rows<2>(a + r * K, K, b.data(), C + r * BN); break;
-    case 1: fma_rows<1>(a + r * K, K, b.data(), C + r * BN); break;
-    default: break;
-  }
+  fma_block(m, K, wide ? wide : widened(A, lda, m, K), K, b.data(), C);
 #else
   TORCH_CHECK(false, "bf16 micro-kernels: neither oneDNN's nor AVX2 ones on this CPU");
 #endif
 }
 
 // fp32: C [m, BN] = A [m, K] fp32 (rows lda apart) times plain block B [K, BN], m <= BM, every column (only
-// where gemm_f32_supported()).
+// where gemm_f32_supported()): small_mm's tile with AVX-512 BF16, else fma_rows.
 void micro(int64_t m, int64_t K, const float* A, int64_t lda, const float* B, float* C, int64_t = BN,
            const float* = nullptr) {
 #if defined(__AVX512BF16__)
   small_mm(false, false, m, BN, K, 1.f, A, lda, B, BN, 0.f, C, BN);  // each output summed over k in order
+#elif defined(__AVX2__) && defined(__FMA__)
+  fma_block(m, K, A, lda, B, C);
 #else
   TORCH_CHECK(false, "fp32 micro-kernels: not built for this CPU");
 #endif
@@ -335,11 +346,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   return out;
 }
 
-// Whether this CPU runs the fp32 micro-kernel (AVX-512, on the CPUs where dot_rows runs: AVX-512
-// BF16 without AMX); elsewhere callers keep torch's fp32 matmul.
+// Whether this CPU runs the fp32 micro-kernel: AVX-512 BF16 without AMX (small_mm's tile, where
+// dot_rows runs) or AVX2 without AVX-512 (fma_rows); elsewhere callers keep torch's fp32 matmul
+// (MKL's sgemm: with AMX or plain AVX-512 its vectors are twice fma_rows' width).
 bool gemm_f32_supported() {
 #if defined(__AVX512BF16__)
   return !onednn_bf16();
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  return true;
 #else
   return false;
 #endif

@@ -129,8 +129,9 @@ def test_heads_equal_torch_einsum_bit_for_bit(tokens):
     assert not native.heads_bf16(q.float(), w_uk.float().transpose(1, 2), out.float()[..., :n])  # fp32: torch's
 
 
-needs_f32_gemm = pytest.mark.skipif(native.extension() is None or not native.extension().gemm_f32_supported(),
-                                    reason="no fp32 micro-kernel on this CPU (AVX-512 BF16 without AMX only)")
+needs_f32_gemm = pytest.mark.skipif(
+    native.extension() is None or not native.extension().gemm_f32_supported(),
+    reason="no fp32 micro-kernel on this CPU (AVX-512 BF16 without AMX, AVX2 without AVX-512)")
 
 
 @needs_f32_gemm
