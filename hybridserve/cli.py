@@ -14,26 +14,30 @@ import time
 import types
 import typing
 
-from hybridserve.config import OFFLINE_STEP, SECTIONS, EngineConfig
+from hybridserve.config import OFFLINE_ROUND_TOKENS, OFFLINE_STEP, SECTIONS, EngineConfig
 from hybridserve.logs import LEVELS, setup_logging
 from hybridserve.sampling import SamplingParams
 from hybridserve.server_config import ServerConfig
 
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
+# generate's flags that are absent unless given (EngineConfig.offline fills them in): their type
+# and what their help names as the default
+OFFLINE_FLAGS: dict[str, tuple[type, str]] = {
+    "target_step": (float, "max_step"), "max_step": (float, str(OFFLINE_STEP)),
+    "max_round_tokens": (int, str(OFFLINE_ROUND_TOKENS))}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, offline: bool = False) -> None:
     """One flag per setting; defaults come from the dataclasses (model: see add_model_arg).
-    offline (generate): --max-step and --target-step default to LLM's offline choices
-    (OFFLINE_STEP, and max_step)."""
+    offline (generate): the OFFLINE_FLAGS default to LLM's offline choices."""
     group = parser.add_argument_group("engine settings")
     hints = {sec: typing.get_type_hints(cls) for sec, cls in ((None, EngineConfig), *SECTIONS.items())}
-    # absent unless given (EngineConfig.offline fills them in): what their help names as the default
-    unset = {"target_step": "max_step", "max_step": str(OFFLINE_STEP)} if offline else {}
+    unset = OFFLINE_FLAGS if offline else {}
     for name, (sec, f) in EngineConfig.settings().items():
         if name in unset:
-            group.add_argument(f"--{name.replace('_', '-')}", type=float, default=argparse.SUPPRESS,
-                               help=f"{f.metadata['help']} (default: {unset[name]}; offline, as LLM)")
+            kind, default = unset[name]
+            group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=argparse.SUPPRESS,
+                               help=f"{f.metadata['help']} (default: {default}; offline, as LLM)")
         elif name != "model":
             add_field_flag(group, f, hints[sec][name], f.default)
 
@@ -75,9 +79,8 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     settings = {name: getattr(args, name) for name in EngineConfig.settings() if name != "model" and name in args}
-    # only generate's --max-step and --target-step can be absent (no default): then their offline
-    # choices, as LLM's
-    offline = "target_step" not in args or "max_step" not in args
+    # only generate's OFFLINE_FLAGS can be absent (no default): then their offline choices, as LLM's
+    offline = any(name not in args for name in OFFLINE_FLAGS)
     return (EngineConfig.offline if offline else EngineConfig.from_settings)(model=args.model, **settings)
 
 

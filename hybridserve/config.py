@@ -25,6 +25,10 @@ STATE_DTYPES = ("auto", "float32", "bfloat16")
 # docs/benchmarks.md the offline rows ran 5-9% faster in 1 s rounds than in 0.5 s ones and no
 # faster in 2 s ones. The server keeps SchedulerConfig's max_step: there it bounds decode gaps.
 OFFLINE_STEP = 1.0
+# Offline rounds' most tokens (max_round_tokens) unless given: seconds alone would let a fast GPU
+# put a whole batch of prompts in one round, its activations unbudgeted. Well above the CPU hosts'
+# 1 s rounds (16-20K tokens); the server keeps no cap (a late prompt's deadline may need more).
+OFFLINE_ROUND_TOKENS = 65536
 SECTIONS: dict[str, type] = {"scheduler": SchedulerConfig, "cache": CacheConfig}
 
 
@@ -129,10 +133,12 @@ class EngineConfig:
         """from_settings for offline generation (`LLM`, `hybridserve generate`): nobody reads a
         token before its whole output, so the serial policies' rounds fill up to `max_step`
         (OFFLINE_STEP unless given) rather than the server's `target_step` (an inter-token
-        latency target), unless `target_step` (or a `scheduler` section) is given."""
+        latency target), unless `target_step` (or a `scheduler` section) is given; and hold at
+        most OFFLINE_ROUND_TOKENS tokens unless `max_round_tokens` is given."""
         if "scheduler" not in settings:
             settings.setdefault("max_step", OFFLINE_STEP)
             settings.setdefault("target_step", settings["max_step"])
+            settings.setdefault("max_round_tokens", OFFLINE_ROUND_TOKENS)
         return cls.from_settings(**settings)
 
     def replace(self, **settings: Any) -> EngineConfig:

@@ -16,7 +16,8 @@ from hybridserve.sampling import SamplingParams
 class LLM:
     """`LLM(model, **settings)`: an Engine built from flat setting names (EngineConfig), offline:
     its rounds fill up to `max_step` (1 s unless given: config.OFFLINE_STEP) unless `target_step`
-    (or a `scheduler` section) is given (EngineConfig.offline): fewer, larger rounds than the server's."""
+    (or a `scheduler` section) is given (EngineConfig.offline): fewer, larger rounds than the server's,
+    of at most `max_round_tokens` tokens (config.OFFLINE_ROUND_TOKENS unless given)."""
 
     def __init__(self, model: str = "builtin", **settings):
         self.engine = Engine(EngineConfig.offline(model=model, **settings))

@@ -22,6 +22,11 @@ class SchedulerConfig:
         "help": "seconds of predicted step time per round under the serial policies (from the ITL target)"})
     max_step: float = field(default=0.5, metadata={
         "help": "cap on a round's predicted seconds when serial+deadline grows a late prompt's chunk"})
+    max_round_tokens: int | None = field(default=None, metadata={
+        "help": "serial policies: most tokens a round holds, its decode rows plus the prefill chunks beside them "
+                "(decode rows always run, and the first chunk advances at least one checkpoint step), which "
+                "bounds a round's activation memory where the predicted time alone would let a fast device take "
+                "very many tokens; unset: no cap (what a deadline may need)"})
     mixed_chunk: bool = field(default=False, metadata={
         "help": "tokens policy: let decode rows ride along with the prefill chunk"})
     decode_steps_between_prefills: int = field(default=0, metadata={
@@ -46,6 +51,8 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.policy not in policy_names():
             raise ValueError(f"policy: unknown scheduling policy {self.policy!r}; known: {policy_names()}")
+        if self.max_round_tokens is not None and self.max_round_tokens < 1:
+            raise ValueError(f"max_round_tokens must be >= 1 (or unset), got {self.max_round_tokens}")
         for name in ("max_running", "token_budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -142,9 +142,15 @@ class SharedBudget(_TokenPolicy):
 
 @register("serial")
 class SerialBudget(SchedulingPolicy):
-    """Decode rides along; prefill fills the round up to target_step predicted seconds."""
+    """Decode rides along; prefill fills the round up to target_step predicted seconds (and
+    max_round_tokens tokens, where set)."""
 
     uses_cost_model = True
+
+    def __init__(self, config: SchedulerConfig, cost: CostModel, g: int):
+        super().__init__(config, cost, g)
+        if config.max_round_tokens is not None and config.max_round_tokens < g:
+            raise ValueError(f"max_round_tokens={config.max_round_tokens} is below the checkpoint grid G={g}")
 
     def plan(self, prefills: Sequence[Req], decodes: Sequence[Req], now: float) -> Plan:
         return Plan(self._fill_time(prefills, list(decodes), now), list(decodes))
@@ -154,11 +160,13 @@ class SerialBudget(SchedulingPolicy):
         return None
 
     def _fill_time(self, prefills: Sequence[Req], decodes: list[Req], now: float) -> list[Pick]:
-        """Add chunks while the predicted round time stays under target; the first request
-        always advances by at least one G step, and `grow` may allow an urgent one more."""
-        cost, target = self.cost, self.config.target_step
+        """Add chunks while the predicted round time stays under target and the round's tokens
+        within max_round_tokens; the first request always advances by at least one G step, and
+        `grow` may allow an urgent one more time (not more tokens)."""
+        cost, target, cap = self.cost, self.config.target_step, self.config.max_round_tokens
         ctx = [r.prefix_len for r in decodes]
         chunks: list[Pick] = []
+        room = math.inf if cap is None else cap - len(decodes)  # prefill tokens the cap leaves
 
         def shape(extra: Pick | None = None) -> BatchShape:
             picks = chunks + ([extra] if extra else [])
@@ -172,15 +180,16 @@ class SerialBudget(SchedulingPolicy):
             start = r.extend_end
             ends = Ends(start, r.fill_len, self.g)
             step = step_to(r, start)
-            end = ends.largest(step, target)
+            end = ends.largest(step, target, start + room)
             tau = self.grow(r, cost.step_time(shape()), now)
             if tau is not None and tau > target:
-                end = ends.largest(step, tau) or end
+                end = ends.largest(step, tau, start + room) or end
             if end is None:
                 if chunks:
                     break  # nothing more fits this round
                 end = ends[0]
             chunks.append(Pick(r, start, end))
+            room -= end - start
         return chunks
 
 
@@ -236,15 +245,21 @@ class Ends:
     def __len__(self) -> int:
         return self.n + 1
 
+    def last_at_most(self, end: float) -> int:
+        """The index of the largest candidate end <= end (-1: none)."""
+        if end >= self.fill_len:
+            return len(self) - 1
+        return min(self.n - 1, int((end - self.first) // self.g)) if end >= self.first else -1
+
     def __getitem__(self, i: int) -> int:
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         i %= len(self)
         return self.first + i * self.g if i < self.n else self.fill_len
 
-    def largest(self, step: Callable[[int], float], limit: float) -> int | None:
-        """The largest end whose predicted step is <= limit (step grows with the end)."""
-        lo, hi = -1, len(self) - 1
+    def largest(self, step: Callable[[int], float], limit: float, upto: float = math.inf) -> int | None:
+        """The largest end <= upto whose predicted step is <= limit (step grows with the end)."""
+        lo, hi = -1, self.last_at_most(upto)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if step(self[mid]) <= limit:

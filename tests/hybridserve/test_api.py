@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 import hybridserve
 from hybridserve import LLM, Engine, EngineConfig, SamplingParams
 from hybridserve.async_engine import AsyncEngine
-from hybridserve.config import OFFLINE_STEP
+from hybridserve.config import OFFLINE_ROUND_TOKENS, OFFLINE_STEP
 from hybridserve.server import build_app
 from scheduler import SchedulerConfig
 from state_cache import CacheConfig
@@ -82,6 +82,10 @@ def test_offline_rounds_fill_up_to_max_step(tmp_path):
     assert LLM(cost_profile=str(path), memory_gb=0.25, max_step=0.3).engine.config.scheduler.target_step == 0.3
     given = LLM(cost_profile=str(path), memory_gb=0.25, target_step=0.05).engine.config.scheduler
     assert (given.target_step, given.max_step) == (0.05, OFFLINE_STEP)
+    assert given.max_round_tokens == OFFLINE_ROUND_TOKENS and EngineConfig().scheduler.max_round_tokens is None
+    capped = LLM(cost_profile=str(path), memory_gb=0.25, max_running=4, max_round_tokens=1024)
+    assert [o.token_ids for o in capped.generate(prompts, params)] == runs["offline"][0]
+    assert capped.engine.scheduler.counters["rounds"] >= 4  # 2,400 prompt tokens in rounds of <= 1,024, then decode
 
 
 def test_vllm_prompt_forms_give_the_same_tokens(profile):

@@ -16,7 +16,7 @@ from benchmarks.soak_server import free_port, wait_up
 from hybridserve import LLM, SamplingParams
 from hybridserve import calibrate as calibrate_module
 from hybridserve.cli import build_parser, engine_config, main
-from hybridserve.config import OFFLINE_STEP, EngineConfig
+from hybridserve.config import OFFLINE_ROUND_TOKENS, OFFLINE_STEP, EngineConfig
 from hybridserve.logs import PACKAGES, setup_logging
 from scheduler.config import SchedulerConfig
 from scheduler.cost import COEFFS, CostModel
@@ -159,8 +159,9 @@ def test_generate_prints_the_completion(capsys, profile):
 
 def test_generate_fills_rounds_up_to_max_step_as_llm_does(capsys, profile, monkeypatch):
     """`generate` is offline: its rounds fill up to max_step (whatever --max-step says, the
-    offline OFFLINE_STEP unless given) unless --target-step is given; `serve` keeps the
-    server's target_step and max_step."""
+    offline OFFLINE_STEP unless given) unless --target-step is given, and hold at most
+    OFFLINE_ROUND_TOKENS tokens unless --max-round-tokens is given (also when both step flags
+    are); `serve` keeps the server's target_step and max_step, and no token cap."""
     import hybridserve.llm
 
     seen = []
@@ -168,18 +169,26 @@ def test_generate_fills_rounds_up_to_max_step_as_llm_does(capsys, profile, monke
     class Spy(hybridserve.llm.LLM):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            seen.append((self.engine.config.scheduler.target_step, self.engine.config.scheduler.max_step))
+            sched = self.engine.config.scheduler
+            seen.append((sched.target_step, sched.max_step, sched.max_round_tokens))
 
     monkeypatch.setattr(hybridserve.llm, "LLM", Spy)
-    for extra in ([], ["--target-step", "0.2"], ["--max-step", "0.05"]):  # a max below serve's default target too
+    cases = ([], ["--target-step", "0.2"], ["--max-step", "0.05"],  # a max below serve's default target too
+             ["--target-step", "0.2", "--max-step", "0.3"], ["--max-round-tokens", "4096"])
+    for extra in cases:
         assert main(["generate", "--prompt", "x", "--max-tokens", "1", "--cost-profile", profile, *SMALL, *extra]) == 0
-    assert seen == [(OFFLINE_STEP, OFFLINE_STEP), (0.2, OFFLINE_STEP), (0.05, 0.05)]
+    cap = OFFLINE_ROUND_TOKENS
+    assert seen == [(OFFLINE_STEP, OFFLINE_STEP, cap), (0.2, OFFLINE_STEP, cap), (0.05, 0.05, cap), (0.2, 0.3, cap),
+                    (OFFLINE_STEP, OFFLINE_STEP, 4096)]
     served = engine_config(parse("serve")).scheduler
     assert (served.target_step, served.max_step) == (SchedulerConfig.target_step, SchedulerConfig.max_step)
+    assert served.max_round_tokens is None
+    assert engine_config(parse("serve", "--max-round-tokens", "8192")).scheduler.max_round_tokens == 8192
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     help_ = " ".join(capsys.readouterr().out.split())
     assert "(default: max_step; offline, as LLM)" in help_ and f"(default: {OFFLINE_STEP}; offline, as LLM)" in help_
+    assert f"(default: {OFFLINE_ROUND_TOKENS}; offline, as LLM)" in help_
 
 
 def test_calibrate_writes_a_profile(capsys, tmp_path, monkeypatch):
