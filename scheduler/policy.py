@@ -106,11 +106,16 @@ def scheduling_policy(config: SchedulerConfig, cost: CostModel, g: int) -> Sched
     return policy_class(config.policy)(config, cost, g)
 
 
+def _at_least_grid(name: str, tokens: int | None, g: int) -> None:
+    """A round's token bound must hold one G step (the least a chunk advances); None: no bound."""
+    if tokens is not None and tokens < g:
+        raise ValueError(f"{name}={tokens} is below the checkpoint grid G={g}")
+
+
 class _TokenPolicy(SchedulingPolicy):
     def __init__(self, config: SchedulerConfig, cost: CostModel, g: int):
         super().__init__(config, cost, g)
-        if config.token_budget < g:
-            raise ValueError(f"token_budget={config.token_budget} is below the checkpoint grid G={g}")
+        _at_least_grid("token_budget", config.token_budget, g)
 
 
 @register("tokens")
@@ -149,8 +154,7 @@ class SerialBudget(SchedulingPolicy):
 
     def __init__(self, config: SchedulerConfig, cost: CostModel, g: int):
         super().__init__(config, cost, g)
-        if config.max_round_tokens is not None and config.max_round_tokens < g:
-            raise ValueError(f"max_round_tokens={config.max_round_tokens} is below the checkpoint grid G={g}")
+        _at_least_grid("max_round_tokens", config.max_round_tokens, g)
 
     def plan(self, prefills: Sequence[Req], decodes: Sequence[Req], now: float) -> Plan:
         return Plan(self._fill_time(prefills, list(decodes), now), list(decodes))

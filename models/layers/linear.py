@@ -11,7 +11,8 @@ with AVX2 only, where torch's bf16 matmul has no vector kernel, 4-9x torch's), t
 within a bf16 step of torch's (fp32 sums in their own order, rounded once). fp32 runs through
 an fp32 micro-kernel of the same drivers on AVX-512 BF16 CPUs without AMX (AMD Zen 4), where
 it takes 0.6-0.9x the time of torch's (MKL's) sgemm, and on AVX2 CPUs without AVX-512 (AMD Zen
-3), where whole fp32 runs took 0.96-0.97x the time (docs/kernels.md); elsewhere fp32 is F.linear.
+3), where NemotronH's whole fp32 runs took 0.93-0.97x the time (docs/kernels.md); elsewhere fp32
+is F.linear.
 `Linear` is nn.Linear running `linear`; the models build their projections from it.
 
 At decode sizes a matmul's fixed cost (dispatch, oneDNN's primitive lookup) outweighs its

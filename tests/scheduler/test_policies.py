@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import Req, Scheduler, SchedulerConfig, policy_names, register
+from scheduler import CostModel, Req, Scheduler, SchedulerConfig, policy_names, register
 from scheduler.policy import _POLICIES, Plan, SchedulingPolicy, _fill_tokens
 from state_cache import CacheConfig, KVPool, PrefixCache, StatePool, StateRadixCache
 from tests.scheduler.helpers import COST, make, prompt, req, run
@@ -138,23 +138,25 @@ def test_failed_rounds_are_dropped_by_the_scheduler():
 @pytest.mark.parametrize("policy", ["serial", "serial+deadline"])
 def test_max_round_tokens_caps_the_serial_rounds(policy):
     """With max_round_tokens, no round of the serial policies holds more tokens (decode rows plus
-    prefill chunks) than the cap, however cheap the cost model says they are; the first chunk
-    still advances one G step where decode rows fill the cap; a cap below G is refused. The same
-    requests finish either way, in more rounds."""
-    cheap = COST.__class__(c0=1e-4, c_tok=1e-8, attn_layers=2)  # a fast device: 0.1 s holds ~10M tokens
-    rounds = {}
-    for cap in (None, 640, 96):
+    prefill chunks) than the cap, however cheap the cost model says they are, except where decode
+    rows leave less than one G step: then the first chunk still advances one G step (at a cap of
+    G beside 8 decode rows). A cap below G is refused. The same requests finish either way, in
+    more rounds."""
+    cheap = CostModel(c0=1e-4, c_tok=1e-8, attn_layers=2)  # a fast device: 0.1 s holds ~10M tokens
+    rounds, over = {}, {}
+    for cap in (None, 640, 96, 64):
         s, ex = make(policy, cost=cheap, max_running=8, target_step=0.1, max_step=0.1, max_round_tokens=cap)
         reqs = [req(f"r{i}", prompt(i, 1000), new=3) for i in range(8)]
         out = run(s, ex, reqs)
         assert all(r.finished for r in reqs)
-        sizes = [tokens for _, _, tokens, _ in out.rounds]
+        rounds[cap] = len(out.rounds)
         if cap is not None:
             g = s.policy.g
-            # a round over the cap only where its decode rows leave no room: then one G step of prefill
-            assert all(t <= cap or t - d <= g for t, (_, _, _, d) in zip(sizes, out.rounds)), sizes
-        rounds[cap] = len(sizes)
-    assert rounds[None] < rounds[640] < rounds[96]
+            over[cap] = [(t, d) for _, _, t, d in out.rounds if t > cap]
+            # over the cap only where decode rows leave less than G, and then by one G step of prefill
+            assert all(d > cap - g and t - d == g for t, d in over[cap]), over[cap]
+    assert rounds[None] < rounds[640] < rounds[96] <= rounds[64]
+    assert not over[640] and not over[96] and over[64]  # the progress rule ran
     with pytest.raises(ValueError, match="max_round_tokens=32 is below the checkpoint grid G=64"):
         make(policy, max_round_tokens=32)
     with pytest.raises(ValueError, match="max_round_tokens must be >= 1"):
