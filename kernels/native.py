@@ -152,8 +152,8 @@ def chunk_delta_rule(q, k, v, g, beta, state, cu_seqlens, checkpoints, scale: fl
     advanced in place from each sequence's initial to its final state; checkpoints [C, 2] int64
     rows (sequence, tokens consumed). Returns (o [T, HV, V] fp32, states [C, HV, K, V]), or None
     where the kernel cannot run. With `slots` [N] int64, state is a pool [P, HV, K, V] (fp32, or bf16
-    rounded after every chunk; contiguous) and sequence n's state is its row slots[n], read and written in place (zeros
-    first where `fresh` [N] bool); with `checkpoint_slots` [C] the checkpoints' states go into
+    rounded after every 64 tokens; contiguous) and sequence n's state is its row slots[n], read and
+    written in place (zeros first where `fresh` [N] bool); with `checkpoint_slots` [C] the checkpoints' states go into
     those rows of it instead of being returned (then states is empty). `out` [T, HV, V] fp32
     contiguous, where given, receives o (a row range of a round's output: models/layers/state.py)."""
     ext = extension() if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) else None
@@ -432,7 +432,8 @@ def _token_rows(t: torch.Tensor) -> torch.Tensor:
 
 def state_in_place(state: torch.Tensor) -> bool:
     """Whether the delta-rule kernels read and write this recurrent-state pool in place: CPU, contiguous,
-    fp32 or bf16 (worked on in fp32, rounded to bf16 after every chunk or token)."""
+    fp32 or bf16 (worked on in fp32, rounded to bf16 after every 64-token prefill step and every decode
+    token)."""
     return state.device.type == "cpu" and state.dtype in (torch.float32, torch.bfloat16) and state.is_contiguous()
 
 

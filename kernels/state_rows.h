@@ -4,9 +4,9 @@
 // checkpoint i at row ck[i] of ck_rows: the state tensor itself when checkpoint slots are given,
 // else a new tensor of the checkpoints' states alone (`states`, returned to the caller); and the
 // checkpoints each sequence captures, in order (`checkpoint_plans`). A state kept in bf16 is worked
-// on in fp32 (`widen_state`, `store_state`) and rounded to bf16 after every chunk (`round_state`):
-// a prefill split into calls at chunk boundaries, or restored from a checkpoint, gives the bits
-// of one call.
+// on in fp32 (`widen_state`, `store_state`) and rounded to bf16 after every checkpoint step of 64
+// tokens (`round_state`): a prefill split into calls at those boundaries, or restored from a
+// checkpoint, gives the bits of one call.
 #pragma once
 #include <torch/extension.h>
 
