@@ -6,6 +6,7 @@
     python -m benchmarks.peers --under-load 1 [...]  # each row again beside a busy loop: the spread
     python -m benchmarks.peers --one-process --rows qwen3-next-cache kimi-builtin-cache  # ours, one process
     python -m benchmarks.peers --one-process --rows nemotron-h-nocache --max-step 0.5 1  # a row per round size
+    python -m benchmarks.peers --one-process --rows nemotron-h-nocache --fp32-path ours torch  # fp32 matmuls
 
 Offline (default): the workload of benchmarks/engine.py, `--requests` prompts sharing a
 `--prefix`-token prefix with distinct `--suffix`-token tails, `--new` greedy tokens each,
@@ -25,7 +26,10 @@ reversed every repeat, each later run after the prefix cache is flushed), so row
 the host's process-to-process noise (the built-in Kimi row against the Qwen3-Next one); each run's
 others' share is the whole worker's. `--max-step S`: our offline rounds' predicted seconds (LLM's
 max_step, 1 s unless given); with `--one-process` several values run every row once per value,
-side by side (how the offline default was chosen: docs/scheduler.md).
+side by side (how the offline default was chosen: docs/scheduler.md). `--fp32-path ours torch`
+(with `--one-process`): every row once through our fp32 micro-kernel (linear_f32, moe_f32: the
+default where the CPU runs it) and once through torch's fp32 matmul and experts path, side by side
+(kernels/native.py fp32_matmul; docs/kernels.md).
 
 vLLM is optional: `--vllm-python` or $HYBRIDSERVE_VLLM_PYTHON (docs/benchmarks.md: recipe).
 The checkpoints (benchmarks/peer_models.py) are built once under `--cache`. Our engine's
@@ -166,30 +170,36 @@ def worker(args: argparse.Namespace) -> None:
     from hybridserve import LLM, SamplingParams  # isort: skip  (first: the OpenMP wait policy, before torch)
     import torch
 
+    from kernels import native
+
     torch.set_num_threads(args.threads)
     specs = json.loads(Path(args.specs).read_text()) if args.specs else [
         {"model": args.model, "dtype": args.dtype, "prefix_cache": args.prefix_cache == "on",
          "workload": args.workload, "cost_profile": args.cost_profile,
          "max_step": args.max_step[0] if args.max_step else None}]
+    paths = [spec.get("fp32_path") or "ours" for spec in specs]
     llms, works = [], []
-    for spec in specs:
+    for spec, path in zip(specs, paths):
         works.append(json.loads(Path(spec["workload"]).read_text()))
         llms.append(LLM(spec["model"], dtype=spec["dtype"], enable_prefix_cache=spec["prefix_cache"],
                         max_running=len(works[-1]["prompts"]), memory_gb=MEMORY_GB,
                         cost_profile=spec["cost_profile"], state_dtype=args.state_dtype,
                         **({"max_step": spec["max_step"]} if spec.get("max_step") else {})))
-        llms[-1].generate([works[-1]["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        with native.fp32_matmul(path):
+            llms[-1].generate([works[-1]["warmup"]], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     for r in range(args.repeats if args.specs else 1):
         for i in range(len(specs)) if r % 2 == 0 else reversed(range(len(specs))):
             if r:  # a later run from an empty prefix cache, as the first (after the warm-up, as a fresh process)
                 llms[i].engine.scheduler.flush_cache()
             params = SamplingParams(temperature=0, max_tokens=works[i]["new"], ignore_eos=True)
-            t0 = time.perf_counter()
-            outs = llms[i].generate(works[i]["prompts"], params)
-            wall = time.perf_counter() - t0
+            with native.fp32_matmul(paths[i]):
+                micro = native.linear_f32(torch.ones(1, 8), torch.ones(1, 8)) is not None  # what fp32 ran on
+                t0 = time.perf_counter()
+                outs = llms[i].generate(works[i]["prompts"], params)
+                wall = time.perf_counter() - t0
             print(json.dumps({"engine": "hybridserve", "row": i, "repeat": r, "wall_s": wall,
                               "threads": torch.get_num_threads(), "sources": sources,
-                              "max_step": llms[i].engine.config.scheduler.max_step,
+                              "max_step": llms[i].engine.config.scheduler.max_step, "fp32_micro_kernel": micro,
                               "token_ids": [o.token_ids for o in outs]}), flush=True)
 
 
@@ -378,12 +388,14 @@ def summarize(rows: list[Row], runs: list[dict], others: list[dict], tokens: lis
 
 def measure_one_process(rows: list[Row], paths: dict, args, profiles: dict, scratch: Path) -> list[dict]:
     """--one-process: our rows in one worker process (worker with --specs), as measure()'s table;
-    with several --max-step values, every row once per value (its label naming the value)."""
-    steps = args.max_step or [None]
+    with several --max-step values or --fp32-path ours torch, every row once per value (its label
+    naming the value)."""
+    variants = [(s, f) for s in args.max_step or [None] for f in args.fp32_path or [None]]
     specs = [{"model": str(paths[r.model][0]), "dtype": r.dtype, "prefix_cache": r.prefix_cache,
-              "workload": str(work_file(r, args, scratch)), "cost_profile": str(profiles[r.model]), "max_step": s}
-             for r in rows for s in steps]
-    rows = [r if s is None else replace(r, label=f"{r.label}, max_step {s:g} s") for r in rows for s in steps]
+              "workload": str(work_file(r, args, scratch)), "cost_profile": str(profiles[r.model]), "max_step": s,
+              "fp32_path": f} for r in rows for s, f in variants]
+    rows = [replace(r, label=r.label + ("" if s is None else f", max_step {s:g} s")
+                    + ("" if f is None else f", fp32 through {f}")) for r in rows for s, f in variants]
     spec_file = scratch / "one-process.json"
     spec_file.write_text(json.dumps(specs))
     cmd = [sys.executable, "-m", "benchmarks.peers", "--worker", "--specs", str(spec_file), "--repeats",
@@ -395,16 +407,17 @@ def measure_one_process(rows: list[Row], paths: dict, args, profiles: dict, scra
     runs: list[dict] = [{"hybridserve": []} for _ in rows]
     tokens: list[dict] = [{} for _ in rows]
     max_steps: list[float] = [0.0] * len(rows)  # what each row's engine took
+    micro: list[bool] = [False] * len(rows)  # whether its fp32 matmuls ran on our micro-kernel
     for line in lines:
         i = line["row"]
-        max_steps[i] = line["max_step"]
+        max_steps[i], micro[i] = line["max_step"], line["fp32_micro_kernel"]
         runs[i]["hybridserve"].append(line["wall_s"])
         tokens[i]["hybridserve"] = line["token_ids"]
         print(f"  {rows[i].label} | hybridserve run {line['repeat'] + 1} (one process): {line['wall_s']:.2f} s",
               flush=True)
     others = [{"hybridserve": [share] * len(r["hybridserve"])} for r in runs]
     results = summarize(rows, runs, others, tokens, [{ln["sources"] for ln in lines}] * len(rows), args)
-    return [res | {"max_step": m} for res, m in zip(results, max_steps)]
+    return [res | {"max_step": m, "fp32_micro_kernel": k} for res, m, k in zip(results, max_steps, micro)]
 
 
 def against_first(results: list[dict]) -> list[str]:
@@ -592,6 +605,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-step", type=float, nargs="+", default=None, metavar="S",
                     help="our offline rounds' predicted seconds (LLM's max_step; default: its own, 1 s); with "
                          "--one-process several values run every row once per value, side by side")
+    ap.add_argument("--fp32-path", nargs="+", choices=("ours", "torch"), default=None,
+                    help="with --one-process: every row once per path of its fp32 matmuls, side by side: our "
+                         "micro-kernel (the default where the CPU runs it) or torch's matmul and experts path")
     ap.add_argument("--under-load", type=int, default=0, metavar="N",
                     help="after each row, its runs again with N busy-looping processes beside (spread under load)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hybridserve-peers",
@@ -632,6 +648,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("--one-process runs our offline rows in one process: not with --serve or --under-load")
     if args.max_step and (args.serve or (len(args.max_step) > 1 and not args.one_process)):
         sys.exit("--max-step sets our offline rounds (not --serve's server); several values need --one-process")
+    if args.fp32_path and not args.one_process:
+        sys.exit("--fp32-path compares our fp32 matmul paths side by side in one process: it needs --one-process")
     if args.one_process:
         engines = ENGINES[:1]
     (args.cache / "runs").mkdir(parents=True, exist_ok=True)  # a folder of its own, whatever else starts this second
@@ -665,7 +683,8 @@ def main(argv: list[str] | None = None) -> None:
         print("--one-process: hybridserve only, every row in one process")
     elif not args.vllm_python:
         print(f"vLLM not configured (--vllm-python or ${VLLM_ENV}): hybridserve only")
-    workload_ = {k: getattr(args, k) for k in ("requests", "prefix", "suffix", "new", "threads", "repeats", "max_step")}
+    workload_ = {k: getattr(args, k) for k in ("requests", "prefix", "suffix", "new", "threads", "repeats", "max_step",
+                                              "fp32_path")}
     record = {"date": date.today().isoformat(), "machine": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "workload": workload_, "vllm_python": args.vllm_python, "sources": sources,
               "sources_changed": changed, "rows": results}

@@ -554,8 +554,30 @@ def linear_f32(x, weight, bias=None) -> torch.Tensor | None:
     return _linear(ext.linear_f32, x, _packed(weight, lambda: ext.pack_f32(weight)), weight.shape[0], bias)
 
 
-@functools.cache
+_FP32_PATH = {"path": "ours"}  # fp32_matmul's setting
+
+
+@contextlib.contextmanager
+def fp32_matmul(path: str):
+    """Inside: fp32 projections and experts through `path`, "ours" (linear_f32 and moe_f32 where
+    this CPU runs them; the default) or "torch" (both return None, so their callers take torch's
+    matmul and the torch experts path, as on a CPU without the micro-kernel): the two compared
+    in one process (benchmarks/peers.py --fp32-path)."""
+    if path not in ("ours", "torch"):
+        raise ValueError(f"fp32_matmul: path {path!r}: 'ours' or 'torch'")
+    old, _FP32_PATH["path"] = _FP32_PATH["path"], path
+    try:
+        yield
+    finally:
+        _FP32_PATH["path"] = old
+
+
 def _f32_gemm_supported(ext) -> bool:
+    return _FP32_PATH["path"] == "ours" and _f32_gemm_built(ext)
+
+
+@functools.cache
+def _f32_gemm_built(ext) -> bool:
     return bool(ext.gemm_f32_supported())
 
 

@@ -258,21 +258,41 @@ def test_one_process_runs_every_row_in_one_worker_alternating(cache, tmp_path, m
         peers.main([*SMALL, "--one-process", "--under-load", "1"])
 
 
+def one_process_rows(cache, tmp_path, *flags) -> tuple[list[dict], str]:
+    """The NemotronH row run by --one-process with `flags`: the results' rows and the row's label."""
+    out = tmp_path / "peers.json"
+    peers.main([*SMALL, "--rows", "nemotron-h-nocache", "--cache", str(cache), "--output", str(out), "--repeats",
+                "1", "--one-process", *flags])
+    return json.loads(out.read_text())["rows"], peers.ROWS["nemotron-h-nocache"].label
+
+
 def test_one_process_runs_each_row_once_per_max_step(cache, tmp_path, capsys):
     """--one-process --max-step A B runs every row once per value in the one worker, each engine
     built with its value (the worker reports it), labels naming it; several values are refused
     without --one-process, any with --serve."""
-    out = tmp_path / "peers.json"
-    peers.main([*SMALL, "--rows", "nemotron-h-nocache", "--cache", str(cache), "--output", str(out), "--repeats",
-                "1", "--one-process", "--max-step", "0.25", "2"])
-    rows = json.loads(out.read_text())["rows"]
-    label = peers.ROWS["nemotron-h-nocache"].label
+    rows, label = one_process_rows(cache, tmp_path, "--max-step", "0.25", "2")
     assert [r["row"] for r in rows] == [f"{label}, max_step 0.25 s", f"{label}, max_step 2 s"]
     assert [r["max_step"] for r in rows] == [0.25, 2.0]
     assert f"{label}, max_step 2 s against {label}, max_step 0.25 s, per repeat:" in capsys.readouterr().out
     for bad in (["--max-step", "0.5", "1"], ["--serve", "--max-step", "1", "--vllm-python", str(tmp_path)]):
         with pytest.raises(SystemExit, match="max-step"):
             peers.main([*SMALL, "--cache", str(cache), *bad])
+
+
+def test_one_process_runs_each_row_once_per_fp32_path(cache, tmp_path):
+    """--one-process --fp32-path ours torch runs every row once per path in the one worker: through
+    torch the micro-kernel is off for the run (the worker's probe says so), through ours it is on
+    where this CPU runs it; labels name the path. --fp32-path is refused without --one-process."""
+    import torch
+
+    from kernels import native
+
+    rows, label = one_process_rows(cache, tmp_path, "--fp32-path", "ours", "torch")
+    assert [r["row"] for r in rows] == [f"{label}, fp32 through ours", f"{label}, fp32 through torch"]
+    built = native.linear_f32(torch.ones(1, 8), torch.ones(1, 8)) is not None
+    assert [r["fp32_micro_kernel"] for r in rows] == [built, False]
+    with pytest.raises(SystemExit, match="fp32-path"):
+        peers.main([*SMALL, "--cache", str(cache), "--fp32-path", "torch"])
 
 
 def test_under_load_reruns_each_row_beside_busy_loops(cache, tmp_path, monkeypatch):

@@ -168,6 +168,24 @@ def test_f32_linear_rows_do_not_depend_on_the_batch_and_read_columns_in_place():
         assert torch.equal(native.linear_f32(x[rows], w), full[rows])
 
 
+@needs_f32_gemm
+def test_fp32_matmul_torch_turns_the_fp32_kernels_off_inside_only():
+    """Inside fp32_matmul("torch") linear_f32 and the fp32 experts kernel give None (their callers
+    take torch's matmul: a Linear equals F.linear bit for bit there); outside, and after an
+    exception inside, the micro-kernel runs again; an unknown path is refused."""
+    gen = torch.Generator().manual_seed(2)
+    x, layer = torch.randn(70, 96, generator=gen), Linear(96, 40).requires_grad_(False)
+    with native.fp32_matmul("torch"):
+        assert native.linear_f32(x, layer.weight) is None and not native.moe_runs(x)
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert native.linear_f32(x, layer.weight) is not None and native.moe_runs(x)
+    with pytest.raises(RuntimeError), native.fp32_matmul("torch"):
+        raise RuntimeError
+    assert native.linear_f32(x, layer.weight) is not None
+    with pytest.raises(ValueError, match="ours"), native.fp32_matmul("mkl"):
+        pass
+
+
 def test_linear_falls_back_to_torch_where_the_kernels_do_not_run():
     """For the bf16 kernels fp32, odd input widths and autograd go to F.linear (None from the
     wrapper); for the fp32 one other dtypes and autograd."""

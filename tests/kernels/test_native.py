@@ -303,9 +303,9 @@ def test_delta_step_on_bf16_states_is_the_fp32_step_rounded(gate):
 @pytest.mark.parametrize("op", ["kda", "gdn"])
 def test_chunk_kernel_on_bf16_states_rounds_after_every_chunk(op):
     """On a bf16 state pool the chunk kernel gives, bit for bit, what fp32 calls of one 64-token
-    step each give (two of the kernel's 32-token chunks) with the state rounded to bf16 between them: its outputs, final states and
-    checkpoint states (in bf16 rows of the pool). So splitting a prefill at chunk boundaries, or
-    resuming it from a checkpoint, changes nothing."""
+    step each give (two of the kernel's 32-token chunks) with the state rounded to bf16 between
+    them: its outputs, final states and checkpoint states (in bf16 rows of the pool). So splitting
+    a prefill at those boundaries, or resuming it from a checkpoint, changes nothing."""
     from kernels.kda.chunk import chunk_in_place
     from tests.kernels.fla_interpret import make_inputs
 
