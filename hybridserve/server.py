@@ -41,6 +41,8 @@ from state_cache import IntegrityError
 log = logging.getLogger(__name__)
 JSON_TYPES = ("application/json",)
 QUEUE_TIMEOUT = "queue_timeout"  # the finish_reason of a request that waited past the scheduler's queue timeout
+IGNORED_SETS = 64  # distinct sets of unknown request fields warned about (then one last warning, then none)
+IGNORED_NAMED, IGNORED_NAME_CHARS = 8, 40  # per warning: fields named, characters of each name
 
 
 def build_app(engine: EngineFront, config: ServerConfig | None = None, **settings) -> FastAPI:
@@ -296,12 +298,34 @@ def decode(body: bytes, model: type[SamplingRequest]) -> SamplingRequest:
     if not isinstance(data, dict):
         raise APIError(400, f"request body: must be a JSON object, got {type(data).__name__}")
     try:
-        return model.model_validate(data)
+        request = model.model_validate(data)
     except ValidationError as e:
         param, message = describe_validation_error(e)
         raise APIError(400, message, param) from None
     except RecursionError:
         raise APIError(400, "request body: nested too deeply") from None
+    warn_ignored(request)
+    return request
+
+
+_warned: set[frozenset[str]] = set()
+
+
+def warn_ignored(request: SamplingRequest) -> None:
+    """Log the top-level fields of a request that the server does not know (served as if absent:
+    a client's `temprature` gets the default temperature), as vLLM logs them: once per distinct set
+    of names, each name cut short and a few named, so that a client sending new names every request
+    cannot flood the log (after IGNORED_SETS sets, one last warning says so, then none)."""
+    names = frozenset(request.model_extra or ())
+    if not names or names in _warned or len(_warned) > IGNORED_SETS:
+        return
+    _warned.add(names)
+    if len(_warned) > IGNORED_SETS:
+        log.warning("unknown request fields: %d different sets seen, no more are logged", IGNORED_SETS)
+        return
+    shown = [n[:IGNORED_NAME_CHARS] + ("..." if len(n) > IGNORED_NAME_CHARS else "") for n in sorted(names)]
+    more = f" and {len(shown) - IGNORED_NAMED} more" if len(shown) > IGNORED_NAMED else ""
+    log.warning("request fields ignored (unknown to this server): %s%s", ", ".join(shown[:IGNORED_NAMED]), more)
 
 
 def param_of(message: str, model) -> str | None:

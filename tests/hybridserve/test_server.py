@@ -302,6 +302,33 @@ def test_bad_input_gets_openai_error(srv, path, body, status, words, param):
     assert complete(srv, "still serving", max_tokens=2)["usage"]["completion_tokens"] >= 1
 
 
+def test_unknown_request_fields_are_served_and_logged_once_per_set(srv, caplog, monkeypatch):
+    """A request with a field the server does not know (a typo) is served as if the field were absent,
+    and the log names it once per distinct set of such fields (names cut short, a few named); past
+    IGNORED_SETS sets one last warning says so and no more follow."""
+    from hybridserve import server
+
+    monkeypatch.setattr(server, "_warned", set())
+    monkeypatch.setattr(server, "IGNORED_SETS", 3)
+    warned = lambda: [r.getMessage() for r in caplog.records if r.name == server.log.name]  # noqa: E731
+    with caplog.at_level("WARNING", logger=server.log.name):
+        plain = complete(srv, "hello", max_tokens=3, temperature=0)
+        assert complete(srv, "hello", max_tokens=3, temperature=0, temprature=0.9)["choices"] == plain["choices"]
+        assert warned() == ["request fields ignored (unknown to this server): temprature"]
+        complete(srv, "hello", max_tokens=3, temperature=0, temprature=0.9)  # the same set: not again
+        complete(srv, "hello", max_tokens=3)
+        assert len(warned()) == 1
+        complete(srv, "hello", max_tokens=3, **{"a" * 100: 1}, **{f"f{i}": i for i in range(9)})
+        assert warned()[-1] == (f"request fields ignored (unknown to this server): {'a' * 40}..., f0, f1, f2, f3, "
+                                "f4, f5, f6 and 2 more")
+        complete(srv, "hello", max_tokens=3, seed_typo=1)
+        complete(srv, "hello", max_tokens=3, another=1)
+        complete(srv, "hello", max_tokens=3, yet_another=1)
+        assert warned()[-2:] == ["request fields ignored (unknown to this server): seed_typo",
+                                 "unknown request fields: 3 different sets seen, no more are logged"]
+        assert len(warned()) == 4
+
+
 def test_unknown_route_and_method(srv):
     """Unknown routes and methods answer 404 / 405 in the OpenAI error shape."""
     r = srv.http.get("/v1/nothing")
