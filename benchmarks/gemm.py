@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     if args.fp32:
-        if native.linear_f32(torch.zeros(1, 2), torch.zeros(1, 2)) is None:
+        if not native.fp32_micro_kernel():
             raise SystemExit("the fp32 kernel does not run on this CPU (only AVX-512 BF16 without AMX, or AVX2 "
                              "without AVX-512) or is not built")
         print(f"{args.threads} threads, fp32, minimum of {args.repeats} alternating calls")

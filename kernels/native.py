@@ -572,6 +572,13 @@ def fp32_matmul(path: str):
         _FP32_PATH["path"] = old
 
 
+def fp32_micro_kernel() -> bool:
+    """Whether linear_f32 and moe_f32 run here and now: built for this CPU, and not turned off by
+    fp32_matmul("torch")."""
+    ext = extension()
+    return ext is not None and _f32_gemm_supported(ext)
+
+
 def _f32_gemm_supported(ext) -> bool:
     return _FP32_PATH["path"] == "ours" and _f32_gemm_built(ext)
 

@@ -177,8 +177,9 @@ def test_fp32_matmul_torch_turns_the_fp32_kernels_off_inside_only():
     x, layer = torch.randn(70, 96, generator=gen), Linear(96, 40).requires_grad_(False)
     with native.fp32_matmul("torch"):
         assert native.linear_f32(x, layer.weight) is None and not native.moe_runs(x)
+        assert not native.fp32_micro_kernel()
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert native.linear_f32(x, layer.weight) is not None and native.moe_runs(x)
+    assert native.linear_f32(x, layer.weight) is not None and native.moe_runs(x) and native.fp32_micro_kernel()
     with pytest.raises(RuntimeError), native.fp32_matmul("torch"):
         raise RuntimeError
     assert native.linear_f32(x, layer.weight) is not None
