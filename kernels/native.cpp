@@ -85,7 +85,9 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at
                                                    at::Tensor& state, const at::Tensor& cu_seqlens,
                                                    const at::Tensor& checkpoints, int64_t chunk_size,
                                                    const at::Tensor& slots, const at::Tensor& fresh,
-                                                   const at::Tensor& checkpoint_slots, const at::Tensor& out);
+                                                   const at::Tensor& checkpoint_slots, const at::Tensor& out,
+                                                   const at::Tensor& gate_z, const at::Tensor& norm_w,
+                                                   int64_t norm_groups, double norm_eps);
 
 // chunk_ssd_slots with state [N, H, P, S]: sequence n's state in row n, the checkpoints' states
 // returned (kept for kernel_ab.py's cases, as chunk_delta_rule).
@@ -94,7 +96,9 @@ static std::tuple<at::Tensor, at::Tensor> chunk_ssd(const at::Tensor& x, const a
                                                     at::Tensor& state, const at::Tensor& cu_seqlens,
                                                     const at::Tensor& checkpoints, int64_t chunk_size) {
   const auto none = at::empty({0}, at::kLong);
-  return chunk_ssd_slots(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size, none, none, none, none);
+  const auto nothing = at::empty({0}, at::kFloat);
+  return chunk_ssd_slots(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size, none, none, none, none,
+                         nothing, nothing, 1, 0.0);
 }
 std::tuple<at::Tensor, at::Tensor> causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                                  const at::Tensor& state, const at::Tensor& cu_seqlens,

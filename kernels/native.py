@@ -457,20 +457,28 @@ def moe_combine(y, at, weight) -> torch.Tensor | None:
 
 
 def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int, slots=EMPTY, fresh=EMPTY,
-              checkpoint_slots=EMPTY, out=EMPTY):
+              checkpoint_slots=EMPTY, out=EMPTY, gate=None):
     """kernels/mamba2/chunk.py's chunk_ssd with `state` [N, H, P, S] fp32 advanced in place from
     the initial to the final states; checkpoints [C, 2] int64 rows (sequence, tokens consumed).
     Returns (y [T, H, P] in x's dtype, states [C, H, P, S]), or None where the kernel cannot run.
     `slots`, `fresh`, `checkpoint_slots` and `out`: as chunk_delta_rule's. x, B and C are read in
-    place where each token's heads (groups) are contiguous: column ranges of the conv output."""
+    place where each token's heads (groups) are contiguous: column ranges of the conv output.
+    `gate` = (z [T, H * P], weight [H * P], groups, eps), all fp32 with x: y comes back normed as
+    gated_group_norm(y, z, weight, groups, eps) would give it (the same bits), each chunk normed
+    while in cache; None where the kernel cannot run so (nothing is written then)."""
     ext = extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None:
         return None
+    z, weight, groups, eps = gate if gate is not None else (EMPTY, EMPTY, 1, 0.0)
+    if gate is not None:
+        if not (x.dtype == z.dtype == torch.float32 and z.dim() == 2 and _routable(z)):
+            return None
+        z, weight = _rows(z), _f32(weight)
     x, B, C = (_token_heads(t.to(x.dtype)) for t in (x, B, C))
     empty = A.new_empty(0, dtype=torch.float32)
     return ext.chunk_ssd_slots(x, dt.float().contiguous(), A.float().contiguous(), B, C,
                                empty if D is None else D.float(), state, cu_seqlens, checkpoints, chunk_size, slots,
-                               fresh, checkpoint_slots, out)
+                               fresh, checkpoint_slots, out, z, weight, groups, eps)
 
 
 def out_rows(out: torch.Tensor | None, shape, dtype: torch.dtype) -> torch.Tensor:

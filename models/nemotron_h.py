@@ -51,6 +51,9 @@ class Mamba2Mixer(nn.Module):
     applies; its decode step skips it, we apply it in both so that prefill and decode agree.
     """
 
+    # the CPU prefill kernel applies the gated norm to its fp32 rows while they are in cache
+    fuse_norm = True
+
     def __init__(self, cfg, state_idx: int):
         super().__init__()
         self.h, self.p, self.g, self.s = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size
@@ -103,6 +106,16 @@ class Mamba2Mixer(nn.Module):
         A = -self.A_log.float().exp()  # [H]
         chunk, step = kernels.get("mamba2_prefill", dev), kernels.get("mamba2_decode", dev)
         args = lambda rows: (xs[rows], dt[rows], A, B[rows], C[rows], self.D.float())  # noqa: E731
+        normed = []  # the prefill kernel's rows came back through the gated norm (fp32 only)
+        fuse = self.fuse_norm and z.dtype == torch.float32
+        gate = (z, self.norm.weight, self.norm.groups, self.norm.eps) if fuse else None
+
+        def prefill_in_place(rows, st, slots, fresh, cu, ck, ck_slots, out):
+            y = chunk_ssd_in_place(*args(rows), st, slots, fresh, cu, ck, ck_slots, self.chunk, out,
+                                   None if gate is None else (gate[0][rows], *gate[1:]))
+            normed.append(gate is not None and y is not None)
+            return y
+
         y = run_with_state(
             batch,
             buf["recurrent"],
@@ -112,10 +125,14 @@ class Mamba2Mixer(nn.Module):
                                   cu_seqlens=torch.arange(rows.stop - rows.start + 1, device=dev)),
             lambda rows, st, slots: native.ssd_step(*args(rows), st, slots),  # CPU: states in place
             lambda cp, rows, s0, ck: context_parallel.ssd_prefill(cp, chunk, *args(rows), s0, ck, self.chunk),
-            (lambda rows, st, slots, fresh, cu, ck, ck_slots, out: chunk_ssd_in_place(
-                *args(rows), st, slots, fresh, cu, ck, ck_slots, self.chunk, out)) if chunk is chunk_ssd else None,
-        )  # [T, H, P] fp32
-        return self.out_proj(self.norm(y.reshape(t, -1), z))
+            prefill_in_place if chunk is chunk_ssd else None,
+        ).reshape(t, -1)  # [T, H * P] fp32
+        if not any(normed):
+            return self.out_proj(self.norm(y, z))
+        pre = batch.num_prefill_tokens  # the decode rows after them are not normed yet
+        if pre < t:
+            y[pre:] = self.norm(y[pre:], z[pre:])
+        return self.out_proj(y)
 
 
 class Attention(nn.Module):

@@ -154,13 +154,13 @@ def _compiled(x, dt, A, B, C, D, initial_state, cu, checkpoint_at, chunk_size):
 
 
 def chunk_ssd_in_place(x, dt, A, B, C, D, state, slots, fresh, cu_seqlens, checkpoint_at=None, checkpoint_slots=None,
-                       chunk_size: int = CHUNK_SIZE, out=None):
+                       chunk_size: int = CHUNK_SIZE, out=None, gate=None):
     """chunk_ssd with each sequence's state a row of a pool, through the compiled kernel: state
     [rows, H, P, S] fp32, sequence n's initial state in row slots[n] (zeros where fresh[n]) advanced
     there in place to its final state, the state after each position of checkpoint_at written
     into row checkpoint_slots[i]. Returns y [T, H, P] in x's dtype (written into `out` where given:
     contiguous, of y's shape and dtype), or None where the kernel does not run (nothing is written
-    then)."""
+    then). With `gate` (native.chunk_ssd's), y comes back through the gated norm."""
     if state.dtype != torch.float32 or not state.is_contiguous():
         return None
     cu = seq_bounds(cu_seqlens, x.shape[0], x.device)
@@ -169,7 +169,7 @@ def chunk_ssd_in_place(x, dt, A, B, C, D, state, slots, fresh, cu_seqlens, check
         where = locate_checkpoints(checkpoint_at, cu, multiple_of=chunk_size)
         rows, at = torch.stack([where.seq, where.offset], dim=1), checkpoint_slots
     into = native.out_rows(out, x.shape, x.dtype)
-    y = native.chunk_ssd(x, dt, A, B, C, D, state, cu, rows, chunk_size, slots, fresh, at, into)
+    y = native.chunk_ssd(x, dt, A, B, C, D, state, cu, rows, chunk_size, slots, fresh, at, into, gate=gate)
     return None if y is None else y[0]
 
 

@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 
 #include "../denormal.h"
+#include "../norm/gated.h"
+#include "../prefetch.h"
 #include "../state_rows.h"
 #include "../widen.h"
 
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "../matmul.h"
@@ -42,10 +45,18 @@ constexpr int64_t RB = 64;
 constexpr int64_t SUB = 32;
 
 struct Scratch {
-  std::vector<float> x, xs, B, C, Cs, cb, scores, y, a, acum, seg, dts;
+  std::vector<float> x, xs, B, C, Cs, cb, scores, y, a, acum, seg, dts, v;
   Scratch(const Sizes& s)
       : x(s.L * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), Cs(s.L * s.S), cb(s.L * s.L), scores(s.L * s.L),
-        y(s.L * s.P), a(s.L), acum(s.L), seg(s.L), dts(s.L) {}
+        y(s.L * s.P), a(s.L), acum(s.L), seg(s.L), dts(s.L), v(s.H * s.P) {}
+};
+
+// Mamba2's gated grouped norm on the output rows, in place (gated.h): y = w * norm(y * silu(z)), the
+// RMS over each of `groups` channel groups of H * P; z's rows ldz apart (a column range of the projection).
+struct GateNorm {
+  const float *z, *w;
+  int64_t ldz, groups;
+  float eps;
 };
 
 template <typename T>
@@ -125,13 +136,18 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
 
 // Jobs are (sequence, group, block of the group's heads): each chunk's C . B^T is made once per
 // job; the heads are split into blocks only as far as needed to give every thread work.
+// With a GateNorm, a job whose heads are whole norm groups norms each chunk's rows of them as soon
+// as its heads are done, while they are in cache (the norm's own pass read the round's output back
+// from memory); otherwise every row is normed after the jobs.
 template <typename T>
 void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>& cu, const std::vector<int64_t>& seqs,
-         const Captures& captures, float* sp, const StateRows& where) {
+         const Captures& captures, float* sp, const StateRows& where, const GateNorm* norm) {
   const int64_t H = s.H, R = s.H / s.G, PS = s.P * s.S, N = static_cast<int64_t>(seqs.size());
   const int64_t threads = at::get_num_threads();
   const int64_t split = std::clamp<int64_t>((4 * threads + N * s.G - 1) / std::max<int64_t>(N * s.G, 1), 1, R);
   const int64_t per = (R + split - 1) / split, blocks = (R + per - 1) / per, J = N * s.G * blocks;
+  const int64_t Dg = norm ? H * s.P / norm->groups : 1;
+  const bool in_jobs = norm && R * s.P % Dg == 0 && per * s.P % Dg == 0;  // every job's heads are whole groups
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min(threads, J)))
   {
     FlushDenormals flush;
@@ -148,10 +164,29 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
         const int64_t c = std::min(s.L, cu[n + 1] - t);
         group_inputs(s, in, t, c, g, w);
         for (int64_t hd = h0; hd < h1; ++hd) chunk(s, in, op, t, c, hd, own + hd * PS, w);
+        if constexpr (std::is_same_v<T, float>) {
+          if (in_jobs)
+            for (int64_t i = 0; i < c; ++i) {
+              const float* z = norm->z + (t + i) * norm->ldz + h0 * s.P;
+              if (i + 4 < c) prefetch_bytes(z + 4 * norm->ldz, (h1 - h0) * s.P * sizeof(float));
+              float* y = op + (t + i) * H * s.P + h0 * s.P;
+              gated_group_row(y, z, norm->w + h0 * s.P, (h1 - h0) * s.P / Dg, Dg, norm->eps, y, w.v.data());
+            }
+        }
         for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
           std::copy(own + h0 * PS, own + h1 * PS, where.ck_rows<float>() + (where.ck[plan[next].second] * H + h0) * PS);
       }
     }
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (norm && !in_jobs)
+      at::parallel_for(0, cu[N], 64, [&](int64_t begin, int64_t end) {
+        std::vector<float> v(H * s.P);
+        for (int64_t r = begin; r < end; ++r) {
+          float* y = op + r * H * s.P;
+          gated_group_row(y, norm->z + r * norm->ldz, norm->w, norm->groups, Dg, norm->eps, y, v.data());
+        }
+      });
   }
 }
 
@@ -164,14 +199,19 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
 // checkpoint_slots, or returned), advanced in place from the initial to the final states;
 // cu_seqlens [N+1] int64; checkpoints [C, 2] int64 rows (sequence, tokens of it consumed: a
 // multiple of chunk_size or its length); out: y's [T, H, P] contiguous tensor in x's dtype (a row
-// range of a round's output), or empty for a new one. Returns (y, states [C, H, P, S] fp32, or
-// empty where they went into rows of state).
+// range of a round's output), or empty for a new one. With gate_z [T, H * P] fp32 (unit stride in
+// the channels, rows any stride apart: a column range of the projection), norm_w [H * P] fp32 and
+// norm_groups dividing H * P, y is returned normed as models/nemotron_h.py's gated norm does it,
+// w * norm(y * silu(z)) over each channel group (fp32 x only); gate_z empty: y as it is. Returns
+// (y, states [C, H, P, S] fp32, or empty where they went into rows of state).
 std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
                                                    const at::Tensor& B, const at::Tensor& C, const at::Tensor& D,
                                                    at::Tensor& state, const at::Tensor& cu_seqlens,
                                                    const at::Tensor& checkpoints, int64_t chunk_size,
                                                    const at::Tensor& slots, const at::Tensor& fresh,
-                                                   const at::Tensor& checkpoint_slots, const at::Tensor& out) {
+                                                   const at::Tensor& checkpoint_slots, const at::Tensor& out,
+                                                   const at::Tensor& gate_z, const at::Tensor& norm_w,
+                                                   int64_t norm_groups, double norm_eps) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &B, &C})
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == t->size(2)) &&
                     (t->size(0) <= 1 || t->stride(0) >= t->size(1) * t->size(2)),
@@ -194,6 +234,19 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at
   TORCH_CHECK(y.sizes() == x.sizes() && y.scalar_type() == x.scalar_type() && y.is_contiguous(),
               "chunk_ssd: out [T, H, P] contiguous in x's dtype");
   auto Df = D.numel() ? D.to(at::kFloat).contiguous() : D;
+  GateNorm gate{};
+  if (gate_z.numel()) {
+    const int64_t HP = H * s.P;
+    TORCH_CHECK(x.scalar_type() == at::kFloat && gate_z.scalar_type() == at::kFloat && gate_z.dim() == 2 &&
+                    gate_z.size(0) == x.size(0) && gate_z.size(1) == HP && gate_z.stride(1) == 1 &&
+                    (gate_z.size(0) <= 1 || gate_z.stride(0) >= HP),
+                "chunk_ssd: fp32 x and gate_z [T, H * P] with unit stride in the channels");
+    TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.is_contiguous() && norm_w.numel() == HP,
+                "chunk_ssd: norm_w [H * P] fp32");
+    TORCH_CHECK(norm_groups > 0 && HP % norm_groups == 0, "chunk_ssd: norm_groups must divide H * P");
+    gate = {gate_z.data_ptr<float>(), norm_w.data_ptr<float>(), gate_z.stride(0), norm_groups,
+            static_cast<float>(norm_eps)};
+  }
   std::vector<int64_t> seqs(N);  // longest first
   std::iota(seqs.begin(), seqs.end(), 0);
   std::stable_sort(seqs.begin(), seqs.end(), [&](int64_t p, int64_t q) { return cu[p + 1] - cu[p] > cu[q + 1] - cu[q]; });
@@ -201,7 +254,8 @@ std::tuple<at::Tensor, at::Tensor> chunk_ssd_slots(const at::Tensor& x, const at
     const Inputs<scalar_t> in{x.data_ptr<scalar_t>(), B.data_ptr<scalar_t>(), C.data_ptr<scalar_t>(),
                               x.stride(0), B.stride(0), C.stride(0),
                               dt.data_ptr<float>(), A.data_ptr<float>(), D.numel() ? Df.data_ptr<float>() : nullptr};
-    run(s, in, y.data_ptr<scalar_t>(), cu, seqs, captures, state.data_ptr<float>(), where);
+    run(s, in, y.data_ptr<scalar_t>(), cu, seqs, captures, state.data_ptr<float>(), where,
+        gate_z.numel() ? &gate : nullptr);
   });
   return {y, where.states};
 }

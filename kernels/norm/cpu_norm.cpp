@@ -9,6 +9,7 @@
 #include "../act.h"
 #include "../prefetch.h"
 #include "../widen.h"
+#include "gated.h"
 
 #include <algorithm>
 #include <bit>
@@ -26,14 +27,6 @@ enum Act { kNone, kSilu, kSigmoid };
 // prefetchers did not fetch ahead (the gated norm took 3-4x the plain one, most of it waiting on
 // the gate's loads)
 constexpr int64_t AHEAD = 8;
-
-template <typename T>
-inline float inv_rms(const T* x, int64_t D, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t d = 0; d < D; ++d) ss += as_float(x[d]) * as_float(x[d]);
-  return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-}
 
 // gate rows: per_tok rows of D a token, contiguous, tokens ldg apart (a column range of a
 // projection's output read in place)
@@ -126,26 +119,16 @@ void norm_rope_rows(const T* x, int64_t s0, int64_t s1, int64_t tokens, int64_t 
   });
 }
 
-// Rows of D = groups * Dg: v = x * silu(z) in fp32, each group's v / rms(v), times w, rounded to
-// O. The same operations in the same order as models/nemotron_h.py's torch path.
+// Rows of D = groups * Dg: gated_group_row (gated.h) on each.
 template <typename X, typename Z, typename O>
 void gated_group_rows(const X* x, const Z* z, int64_t ldz, const float* w, int64_t groups, float eps, int64_t rows,
                       int64_t D, O* y) {
-  const int64_t Dg = D / groups;
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> v(D);
     for (int64_t r = begin; r < end; ++r) {
-      const X* xr = x + r * D;
       const Z* zr = z + r * ldz;
       if (r + AHEAD < rows) prefetch_bytes(zr + AHEAD * ldz, D * sizeof(Z));  // z: a column range, rows ldz apart
-      O* yr = y + r * D;
-#pragma omp simd
-      for (int64_t d = 0; d < D; ++d) v[d] = as_float(xr[d]) * act::silu(as_float(zr[d]));
-      for (int64_t g = 0; g < groups; ++g) {
-        const float inv = inv_rms(v.data() + g * Dg, Dg, eps);
-#pragma omp simd
-        for (int64_t d = g * Dg; d < (g + 1) * Dg; ++d) yr[d] = narrow<O>(w[d] * (v[d] * inv));
-      }
+      gated_group_row(x + r * D, zr, w, groups, D / groups, eps, y + r * D, v.data());
     }
   });
 }

@@ -665,6 +665,44 @@ def test_ssd_kernel_head_blocks_equal_torch_ssd(lengths, threads, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("lengths", [[150], [70, 0, 33, 64, 9]])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_ssd_kernel_gated_norm_gives_the_bits_of_the_norm_pass(lengths, threads, groups):
+    """chunk_ssd with `gate` returns gated_group_norm of its plain output bit for bit, states and
+    checkpoints unchanged, whether each job norms its own heads' rows (whole norm groups: five
+    sequences at 2 or 6 groups, one sequence at 6) or a pass after the jobs norms them (a job's
+    heads splitting a norm group); z a column range of a wider projection. A bf16 x with the gate,
+    or a bf16 z, is declined (None)."""
+    from tests.kernels.test_mamba2 import cu_of, make_inputs, random_state
+
+    H, P = 6, 8
+    x = make_inputs(sum(lengths), H=H, P=P, G=2)
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(sum(lengths), H * P + 7, generator=gen)[:, 5 : 5 + H * P]
+    w = torch.randn(H * P, generator=gen)
+    rows = torch.stack([torch.arange(len(lengths)), torch.tensor(lengths)], 1)[torch.tensor(lengths) > 0]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        runs = {}
+        for gate in (None, (z, w, groups, 1e-5)):
+            state = random_state(len(lengths), H=H, P=P)
+            y, states = native.chunk_ssd(*x, state, cu_of(lengths), rows, 32, gate=gate)
+            runs[gate is None] = (y, state, states)
+    finally:
+        torch.set_num_threads(before)
+    plain, normed = runs[True], runs[False]
+    want = native.gated_group_norm(plain[0].reshape(len(z), -1), z, w, groups, 1e-5)
+    assert torch.equal(normed[0].reshape(len(z), -1), want) and not torch.equal(want, plain[0].reshape(len(z), -1))
+    assert torch.equal(normed[1], plain[1]) and torch.equal(normed[2], plain[2])
+    bf16 = make_inputs(sum(lengths), H=H, P=P, G=2, dtype=torch.bfloat16)
+    state = random_state(len(lengths), H=H, P=P)
+    assert native.chunk_ssd(*bf16, state, cu_of(lengths), rows, 32, gate=(z, w, groups, 1e-5)) is None
+    assert native.chunk_ssd(*x, state, cu_of(lengths), rows, 32, gate=(z.bfloat16(), w, groups, 1e-5)) is None
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype,state_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("activation", ["silu", None])

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tests.models import harness
 from tests.utils import import_torch_reference
@@ -43,3 +44,33 @@ def test_nemotron_h_fused_decode_gives_the_bits_of_its_kernels_one_by_one(model)
     """Decode-only batches through the one-call Mamba2 and attention bodies equal the
     kernel-by-kernel path bit for bit (logits, KV pages, states), fp32 and bf16."""
     harness.check_fused_decode(*model, fused=("mamba_decode", "attention_decode"))
+
+
+def test_nemotron_h_norm_inside_the_ssd_kernel_gives_the_bits_of_the_norm_pass(model, monkeypatch):
+    """Prefill and mixed rounds (continued and fresh prefills beside a decode row) with the gated
+    norm applied inside the SSD prefill kernel give the logits and states of the separate norm
+    pass, bit for bit (fp32); the kernel did take the norm."""
+    from kernels import native
+    from models.nemotron_h import Mamba2Mixer
+
+    if native.extension() is None:
+        pytest.skip("CPU kernels not built here")
+    ref, path, vocab = model
+    gated = []
+    chunk_ssd = native.chunk_ssd
+    monkeypatch.setattr(native, "chunk_ssd", lambda *a, gate=None: gated.append(gate is not None) or chunk_ssd(
+        *a, gate=gate))
+    a, b, c = (harness.prompt(vocab, n, 20 + i) for i, n in enumerate((90, 33, 41)))
+    out = {}
+    for fuse in (True, False):
+        monkeypatch.setattr(Mamba2Mixer, "fuse_norm", fuse)
+        run = harness.PagedRunner(path)
+        sa, sb, sc = run.new_seq(), run.new_seq(), run.new_seq()
+        first = run.step([(sa, a[:64]), (sc, c[:-1])], all_logits=True)
+        mixed = run.step([(sa, a[64:]), (sb, b), (sc, c[-1:])], all_logits=True)
+        out[fuse] = (first + mixed, [t for layer in run.memory.state for t in layer.values()])
+    for got, want in zip(out[True][0], out[False][0]):
+        assert torch.equal(got, want)
+    for got, want in zip(out[True][1], out[False][1]):  # unused slots hold NaN in both
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert any(gated) and not all(gated)
