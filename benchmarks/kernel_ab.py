@@ -326,13 +326,13 @@ class Both:
         def run(side: str, ext, args: tuple):
             if name not in OUT_ARG or len(args) <= OUT_ARG[name]:
                 return getattr(ext, name)(*args)
-            args = args[:OUT_ARG[name]]
+            at = OUT_ARG[name]
             if self.takes_out.setdefault((side, name), True):
-                try:
-                    return getattr(ext, name)(*args, EMPTY)
+                try:  # the arguments after it (chunk_ssd_slots' gated norm) as the engine gave them
+                    return getattr(ext, name)(*args[:at], EMPTY, *args[at + 1 :])
                 except TypeError:  # built before the argument: only its first call gets here (untimed)
                     self.takes_out[side, name] = False
-            return getattr(ext, name)(*args)
+            return getattr(ext, name)(*args[:at])
 
         def call(*args):
             self.flip[name] = not self.flip[name]  # which module goes first (the second finds warm caches)

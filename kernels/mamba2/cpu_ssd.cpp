@@ -44,11 +44,14 @@ constexpr int64_t RB = 64;
 // at 16) on NemotronH's heads, 16 sequences of 1,280 tokens, on the AVX2 host.
 constexpr int64_t SUB = 32;
 
+// Chunks of up to RB tokens (SUB's) make the chunk's output one product, [scores | C exp(acum)] times
+// [x; h^T]: x's rows have the transposed state's S rows below them, and each score row (LS wide)
+// its C exp(acum) row after the scores. Longer chunks keep the two products (the causal one in row blocks).
 struct Scratch {
   std::vector<float> x, xs, B, C, Cs, cb, scores, y, a, acum, seg, dts, v;
   Scratch(const Sizes& s)
-      : x(s.L * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), Cs(s.L * s.S), cb(s.L * s.L), scores(s.L * s.L),
-        y(s.L * s.P), a(s.L), acum(s.L), seg(s.L), dts(s.L), v(s.H * s.P) {}
+      : x((s.L + s.S) * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), Cs(s.L * s.S), cb(s.L * s.L),
+        scores(s.L * (s.L + s.S)), y(s.L * s.P), a(s.L), acum(s.L), seg(s.L), dts(s.L), v(s.H * s.P) {}
 };
 
 // Mamba2's gated grouped norm on the output rows, in place (gated.h): y = w * norm(y * silu(z)), the
@@ -86,6 +89,8 @@ void group_inputs(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, in
 template <typename T>
 void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, int64_t hd, float* h, Scratch& w) {
   const int64_t P = s.P, S = s.S, L = s.L;
+  const bool one = c <= RB;           // the output as one product (see Scratch)
+  const int64_t LS = one ? c + S : L;  // the score rows' stride
   float *x = w.x.data(), *xs = w.xs.data(), *B = w.B.data(), *C = w.Cs.data(), *sc = w.scores.data();
   float *y = w.y.data(), *a = w.a.data(), *acum = w.acum.data();
   const float A = in.A[hd];
@@ -101,7 +106,7 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
   const float* cb = w.cb.data();
   for (int64_t j = 0; j < c; ++j) dts[j] = in.dt[(t0 + j) * s.H + hd];
   for (int64_t i = 0; i < c; ++i) {
-    float* row = sc + i * L;
+    float* row = sc + i * LS;
     const float* cbi = cb + i * L;
 #pragma omp simd
     for (int64_t j = 0; j < i; ++j) seg[j] += a[i];
@@ -115,15 +120,25 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
 #pragma omp simd
     for (int64_t p = 0; p < P; ++p) xs[j * P + p] = x[j * P + p] * f;
   }
-  for (int64_t r0 = 0; r0 < c; r0 += RB) {  // intra-chunk: rows [r0, r1) against the tokens up to r1 (causal)
-    const int64_t r1 = std::min(c, r0 + RB);
-    mm(false, false, r1 - r0, P, r1, 1.f, sc + r0 * L, L, x, P, 0.f, y + r0 * P, P);
+  if (one) {  // [scores | C exp(acum)] [x; h^T]: the intra-chunk sums, then the entry state's share
+    for (int64_t i = 0; i < c; ++i) {
+      const float e = std::exp(acum[i]);
+      for (int64_t d = 0; d < S; ++d) sc[i * LS + c + d] = w.C[i * S + d] * e;
+    }
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t d = 0; d < S; ++d) x[(c + d) * P + p] = h[p * S + d];
+    mm(false, false, c, P, c + S, 1.f, sc, LS, x, P, 0.f, y, P);
+  } else {
+    for (int64_t r0 = 0; r0 < c; r0 += RB) {  // intra-chunk: rows [r0, r1) against the tokens up to r1 (causal)
+      const int64_t r1 = std::min(c, r0 + RB);
+      mm(false, false, r1 - r0, P, r1, 1.f, sc + r0 * L, L, x, P, 0.f, y + r0 * P, P);
+    }
+    for (int64_t i = 0; i < c; ++i) {                          // C_i exp(acum_i), then the entry state's share
+      const float e = std::exp(acum[i]);
+      for (int64_t d = 0; d < S; ++d) C[i * S + d] = w.C[i * S + d] * e;
+    }
+    mm(false, true, c, P, S, 1.f, C, S, h, S, 1.f, y, P);
   }
-  for (int64_t i = 0; i < c; ++i) {                          // C_i exp(acum_i), then the entry state's share
-    const float e = std::exp(acum[i]);
-    for (int64_t d = 0; d < S; ++d) C[i * S + d] = w.C[i * S + d] * e;
-  }
-  mm(false, true, c, P, S, 1.f, C, S, h, S, 1.f, y, P);
   const float total = std::exp(acum[c - 1]);
   for (int64_t k = 0; k < P * S; ++k) h[k] *= total;
   mm(true, false, P, S, c, 1.f, xs, P, B, S, 1.f, h, S);  // h += (dt exp(seg) x)^T B

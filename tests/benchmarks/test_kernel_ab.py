@@ -103,6 +103,26 @@ def test_engine_mode_gives_each_module_its_own_output_and_calls_an_old_one_witho
     assert both.rows["causal_conv1d_slots"]["max_diff"] == 2.0
 
 
+def test_engine_mode_keeps_the_arguments_after_out():
+    """The arguments after `out` (chunk_ssd_slots' gated norm: z, weight, groups, eps) reach both
+    modules as the engine gave them; only `out` is replaced by an empty tensor."""
+    seen: dict[str, list] = {"old": [], "new": []}
+
+    def ssd(side: str):
+        def chunk_ssd_slots(*args):
+            seen[side].append(args[13:])
+            return torch.ones(2), torch.zeros(0)
+        return types.SimpleNamespace(chunk_ssd_slots=chunk_ssd_slots)
+
+    both = kernel_ab.Both(ssd("old"), ssd("new"), ["chunk_ssd_slots"])
+    args, z = [None] * 13, torch.ones(4)
+    args[6] = torch.zeros(3)  # the states
+    both.chunk_ssd_slots(*args, torch.zeros(5), z, "w", 2, 1e-5)
+    for side in ("old", "new"):
+        (got,) = seen[side]
+        assert got[0].numel() == 0 and got[1] is z and got[2:] == ("w", 2, 1e-5)
+
+
 def test_engine_mode_alternates_which_module_goes_first_per_kernel():
     """Each kernel's calls alternate which module runs first (the second finds the inputs in cache),
     also where two kernels' calls interleave: with one flip shared by all kernels, a layer calling
