@@ -44,15 +44,24 @@ constexpr int64_t RB = 64;
 // at 16) on NemotronH's heads, 16 sequences of 1,280 tokens, on the AVX2 host.
 constexpr int64_t SUB = 32;
 
-// Chunks of up to RB tokens (SUB's) make the chunk's output one product, [scores | C exp(acum)] times
-// [x; h^T]: x's rows have the transposed state's S rows below them, and each score row (LS wide)
-// its C exp(acum) row after the scores. Longer chunks keep the two products (the causal one in row blocks).
+// A job keeps each of its heads' states transposed, h^T [S, P], in rows L.. of the head's buffer
+// xh [L + S, P], with the chunk's c x rows right above them (rows L - c ..): chunks of up to RB
+// tokens (SUB's) make a head's chunk output one product, [scores | C exp(acum)] times [x; h^T], each
+// score row (LS wide) with its C exp(acum) row after the scores; longer chunks keep the two products
+// (the causal one in row blocks). The states are transposed in and out of the pool once a job (and at
+// checkpoints): the same sums in the same order as on [P, S] states, so the same bits.
 struct Scratch {
-  std::vector<float> x, xs, B, C, Cs, cb, scores, y, a, acum, seg, dts, v;
-  Scratch(const Sizes& s)
-      : x((s.L + s.S) * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), Cs(s.L * s.S), cb(s.L * s.L),
+  std::vector<float> xh, xs, B, C, Cs, cb, scores, y, a, acum, seg, dts, v;
+  Scratch(const Sizes& s, int64_t heads)
+      : xh(heads * (s.L + s.S) * s.P), xs(s.L * s.P), B(s.L * s.S), C(s.L * s.S), Cs(s.L * s.S), cb(s.L * s.L),
         scores(s.L * (s.L + s.S)), y(s.L * s.P), a(s.L), acum(s.L), seg(s.L), dts(s.L), v(s.H * s.P) {}
 };
+
+// dst [cols, rows] = src [rows, cols]^T
+inline void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+}
 
 // Mamba2's gated grouped norm on the output rows, in place (gated.h): y = w * norm(y * silu(z)), the
 // RMS over each of `groups` channel groups of H * P; z's rows ldz apart (a column range of the projection).
@@ -85,13 +94,14 @@ void group_inputs(const Sizes& s, const Inputs<T>& in, int64_t t0, int64_t c, in
   }
 }
 
-// One head's chunk, after group_inputs of its group.
+// One head's chunk, after group_inputs of its group; xh: the head's buffer (see Scratch).
 template <typename T>
-void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, int64_t hd, float* h, Scratch& w) {
+void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, int64_t hd, float* xh, Scratch& w) {
   const int64_t P = s.P, S = s.S, L = s.L;
   const bool one = c <= RB;           // the output as one product (see Scratch)
   const int64_t LS = one ? c + S : L;  // the score rows' stride
-  float *x = w.x.data(), *xs = w.xs.data(), *B = w.B.data(), *C = w.Cs.data(), *sc = w.scores.data();
+  float *x = xh + (L - c) * P, *hT = xh + L * P;
+  float *xs = w.xs.data(), *B = w.B.data(), *C = w.Cs.data(), *sc = w.scores.data();
   float *y = w.y.data(), *a = w.a.data(), *acum = w.acum.data();
   const float A = in.A[hd];
   for (int64_t i = 0; i < c; ++i) {
@@ -125,8 +135,6 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
       const float e = std::exp(acum[i]);
       for (int64_t d = 0; d < S; ++d) sc[i * LS + c + d] = w.C[i * S + d] * e;
     }
-    for (int64_t p = 0; p < P; ++p)
-      for (int64_t d = 0; d < S; ++d) x[(c + d) * P + p] = h[p * S + d];
     mm(false, false, c, P, c + S, 1.f, sc, LS, x, P, 0.f, y, P);
   } else {
     for (int64_t r0 = 0; r0 < c; r0 += RB) {  // intra-chunk: rows [r0, r1) against the tokens up to r1 (causal)
@@ -137,11 +145,11 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
       const float e = std::exp(acum[i]);
       for (int64_t d = 0; d < S; ++d) C[i * S + d] = w.C[i * S + d] * e;
     }
-    mm(false, true, c, P, S, 1.f, C, S, h, S, 1.f, y, P);
+    mm(false, false, c, P, S, 1.f, C, S, hT, P, 1.f, y, P);
   }
   const float total = std::exp(acum[c - 1]);
-  for (int64_t k = 0; k < P * S; ++k) h[k] *= total;
-  mm(true, false, P, S, c, 1.f, xs, P, B, S, 1.f, h, S);  // h += (dt exp(seg) x)^T B
+  for (int64_t k = 0; k < P * S; ++k) hT[k] *= total;
+  mm(true, false, S, P, c, 1.f, B, S, xs, P, 1.f, hT, P);  // h^T += B^T (dt exp(seg) x)
   const float Dh = in.D ? in.D[hd] : 0.f;
   for (int64_t i = 0; i < c; ++i) {
     T* o = out + ((t0 + i) * s.H + hd) * P;
@@ -166,7 +174,8 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min(threads, J)))
   {
     FlushDenormals flush;
-    Scratch w(s);
+    Scratch w(s, per);
+    const int64_t XH = (s.L + s.S) * s.P;  // a head's buffer
 #pragma omp for schedule(dynamic, 1)
     for (int64_t j = 0; j < J; ++j) {  // longest sequences first
       const int64_t n = seqs[j / (s.G * blocks)], g = j / blocks % s.G, h0 = g * R + j % blocks * per;
@@ -175,10 +184,13 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
       size_t next = 0;
       float* own = sp + where.seq[n] * H * PS;  // sequence n's states, head by head
       if (where.fresh[n]) std::fill(own + h0 * PS, own + h1 * PS, 0.f);
+      auto xh = [&](int64_t hd) { return w.xh.data() + (hd - h0) * XH; };  // head hd's buffer
+      auto hT = [&](int64_t hd) { return xh(hd) + s.L * s.P; };            // its transposed state
+      for (int64_t hd = h0; hd < h1; ++hd) transpose(own + hd * PS, s.P, s.S, hT(hd));
       for (int64_t t = cu[n]; t < cu[n + 1]; t += s.L) {
         const int64_t c = std::min(s.L, cu[n + 1] - t);
         group_inputs(s, in, t, c, g, w);
-        for (int64_t hd = h0; hd < h1; ++hd) chunk(s, in, op, t, c, hd, own + hd * PS, w);
+        for (int64_t hd = h0; hd < h1; ++hd) chunk(s, in, op, t, c, hd, xh(hd), w);
         if constexpr (std::is_same_v<T, float>) {
           if (in_jobs)
             for (int64_t i = 0; i < c; ++i) {
@@ -189,8 +201,10 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
             }
         }
         for (; next < plan.size() && plan[next].first <= t + c - cu[n]; ++next)  // states after this chunk
-          std::copy(own + h0 * PS, own + h1 * PS, where.ck_rows<float>() + (where.ck[plan[next].second] * H + h0) * PS);
+          for (int64_t hd = h0; hd < h1; ++hd)
+            transpose(hT(hd), s.S, s.P, where.ck_rows<float>() + (where.ck[plan[next].second] * H + hd) * PS);
       }
+      for (int64_t hd = h0; hd < h1; ++hd) transpose(hT(hd), s.S, s.P, own + hd * PS);
     }
   }
   if constexpr (std::is_same_v<T, float>) {
