@@ -469,8 +469,9 @@ def chunk_ssd(x, dt, A, B, C, D, state, cu_seqlens, checkpoints, chunk_size: int
     ext = extension() if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None:
         return None
-    z, weight, groups, eps = gate if gate is not None else (EMPTY, EMPTY, 1, 0.0)
+    z, weight, groups, eps = EMPTY, EMPTY, 1, 0.0
     if gate is not None:
+        z, weight, groups, eps = gate
         if not (x.dtype == z.dtype == torch.float32 and z.dim() == 2 and _routable(z)):
             return None
         z, weight = _rows(z), _f32(weight)

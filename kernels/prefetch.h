@@ -4,6 +4,12 @@
 #pragma once
 #include <cstdint>
 
+// tokens ahead whose rows are prefetched where a kernel reads a column range of a projection's
+// output (a gate, q / k heads, Mamba2's z): a few hundred bytes every row, which the hardware
+// prefetchers did not fetch ahead (the gated norm took 3-4x the plain one, most of it waiting on
+// the gate's loads)
+constexpr int64_t ROWS_AHEAD = 8;
+
 // every cache line of the `bytes` bytes at p
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b);

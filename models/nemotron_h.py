@@ -108,11 +108,11 @@ class Mamba2Mixer(nn.Module):
         args = lambda rows: (xs[rows], dt[rows], A, B[rows], C[rows], self.D.float())  # noqa: E731
         normed = []  # the prefill kernel's rows came back through the gated norm (fp32 only)
         fuse = self.fuse_norm and z.dtype == torch.float32
-        gate = (z, self.norm.weight, self.norm.groups, self.norm.eps) if fuse else None
+        norm = (self.norm.weight, self.norm.groups, self.norm.eps) if fuse else None
 
         def prefill_in_place(rows, st, slots, fresh, cu, ck, ck_slots, out):
-            y = chunk_ssd_in_place(*args(rows), st, slots, fresh, cu, ck, ck_slots, self.chunk, out,
-                                   None if gate is None else (gate[0][rows], *gate[1:]))
+            gate = None if norm is None else (z[rows], *norm)
+            y = chunk_ssd_in_place(*args(rows), st, slots, fresh, cu, ck, ck_slots, self.chunk, out, gate)
             normed.append(gate is not None and y is not None)
             return y
 

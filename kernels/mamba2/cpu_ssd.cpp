@@ -208,14 +208,7 @@ void run(const Sizes& s, const Inputs<T>& in, T* op, const std::vector<int64_t>&
     }
   }
   if constexpr (std::is_same_v<T, float>) {
-    if (norm && !in_jobs)
-      at::parallel_for(0, cu[N], 64, [&](int64_t begin, int64_t end) {
-        std::vector<float> v(H * s.P);
-        for (int64_t r = begin; r < end; ++r) {
-          float* y = op + r * H * s.P;
-          gated_group_row(y, norm->z + r * norm->ldz, norm->w, norm->groups, Dg, norm->eps, y, v.data());
-        }
-      });
+    if (norm && !in_jobs) gated_group_rows(op, norm->z, norm->ldz, norm->w, norm->groups, norm->eps, cu[N], H * s.P, op);
   }
 }
 

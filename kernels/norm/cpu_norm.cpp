@@ -22,12 +22,6 @@ namespace {
 
 enum Act { kNone, kSilu, kSigmoid };
 
-// tokens ahead whose rows are prefetched where a kernel reads a column range of a projection's
-// output (a gate, q / k heads, Mamba2's z): a few hundred bytes every row, which the hardware
-// prefetchers did not fetch ahead (the gated norm took 3-4x the plain one, most of it waiting on
-// the gate's loads)
-constexpr int64_t AHEAD = 8;
-
 // gate rows: per_tok rows of D a token, contiguous, tokens ldg apart (a column range of a
 // projection's output read in place)
 template <typename T, typename G, typename Y>
@@ -48,8 +42,8 @@ void norm_rows(const T* x, int64_t ldx, const float* w, float offset, bool cast_
       for (int64_t d = 0; d < D; ++d) v[d] = as_float(xr[d]) * inv * (offset + w[d]);
       if (gate) {  // each activation its own vector pass
         const int64_t t = r / per_tok;
-        if (r % per_tok == 0 && (t + AHEAD) * per_tok < rows)  // a later token's gate columns, on their way
-          prefetch_bytes(gate + (t + AHEAD) * ldg, per_tok * D * sizeof(G));
+        if (r % per_tok == 0 && (t + ROWS_AHEAD) * per_tok < rows)  // a later token's gate columns, on their way
+          prefetch_bytes(gate + (t + ROWS_AHEAD) * ldg, per_tok * D * sizeof(G));
         const G* gr = gate + t * ldg + r % per_tok * D;
         if (act == kSilu) {
 #pragma omp simd
@@ -102,7 +96,7 @@ void norm_rope_rows(const T* x, int64_t s0, int64_t s1, int64_t tokens, int64_t 
     for (int64_t row = begin; row < end; ++row) {
       const int64_t t = row / heads, h = row % heads;
       const T* xr = x + t * s0 + h * s1;
-      if (t + AHEAD < tokens) prefetch_bytes(xr + AHEAD * s0, D * sizeof(T));  // rows s0 apart (a column range)
+      if (t + ROWS_AHEAD < tokens) prefetch_bytes(xr + ROWS_AHEAD * s0, D * sizeof(T));  // rows s0 apart (a column range)
       T* o = out + row * D;
       const float inv = inv_rms(xr, D, eps);
 #pragma omp simd
@@ -119,30 +113,16 @@ void norm_rope_rows(const T* x, int64_t s0, int64_t s1, int64_t tokens, int64_t 
   });
 }
 
-// Rows of D = groups * Dg: gated_group_row (gated.h) on each.
-template <typename X, typename Z, typename O>
-void gated_group_rows(const X* x, const Z* z, int64_t ldz, const float* w, int64_t groups, float eps, int64_t rows,
-                      int64_t D, O* y) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> v(D);
-    for (int64_t r = begin; r < end; ++r) {
-      const Z* zr = z + r * ldz;
-      if (r + AHEAD < rows) prefetch_bytes(zr + AHEAD * ldz, D * sizeof(Z));  // z: a column range, rows ldz apart
-      gated_group_row(x + r * D, zr, w, groups, D / groups, eps, y + r * D, v.data());
-    }
-  });
-}
-
 // y = o * sigmoid(g), row by row, each step rounded to T as torch's T ops round it (the sigmoid in
 // fp32, rounded; the product of two T values, rounded once): o [rows, C] contiguous, g's rows ldg
-// apart (a column range of a projection's output, prefetched AHEAD rows on)
+// apart (a column range of a projection's output, prefetched ROWS_AHEAD rows on)
 template <typename T>
 void sigmoid_gate_rows(const T* o, const T* g, int64_t ldg, int64_t rows, int64_t C, T* y) {
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T *orow = o + r * C, *grow = g + r * ldg;
       T* yr = y + r * C;
-      if (r + AHEAD < rows) prefetch_bytes(grow + AHEAD * ldg, C * sizeof(T));
+      if (r + ROWS_AHEAD < rows) prefetch_bytes(grow + ROWS_AHEAD * ldg, C * sizeof(T));
 #pragma omp simd
       for (int64_t c = 0; c < C; ++c) {
         const float s = as_float(narrow<T>(act::sigmoid(as_float(grow[c]))));

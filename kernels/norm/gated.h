@@ -5,7 +5,12 @@
 #include <cmath>
 #include <cstdint>
 
+#include <ATen/Parallel.h>
+
+#include <vector>
+
 #include "../act.h"
+#include "../prefetch.h"
 #include "../widen.h"
 
 // 1 / rms(x) over D values, in fp32
@@ -31,4 +36,19 @@ inline void gated_group_row(const X* x, const Z* z, const float* w, int64_t grou
 #pragma omp simd
     for (int64_t d = g * Dg; d < (g + 1) * Dg; ++d) y[d] = narrow<O>(w[d] * (v[d] * inv));
   }
+}
+
+// Rows [rows, D] of x (contiguous) through gated_group_row into y (which may be x), in parallel;
+// z's rows ldz apart (a column range of the projection), prefetched ROWS_AHEAD rows on.
+template <typename X, typename Z, typename O>
+void gated_group_rows(const X* x, const Z* z, int64_t ldz, const float* w, int64_t groups, float eps, int64_t rows,
+                      int64_t D, O* y) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(D);
+    for (int64_t r = begin; r < end; ++r) {
+      const Z* zr = z + r * ldz;
+      if (r + ROWS_AHEAD < rows) prefetch_bytes(zr + ROWS_AHEAD * ldz, D * sizeof(Z));
+      gated_group_row(x + r * D, zr, w, groups, D / groups, eps, y + r * D, v.data());
+    }
+  });
 }
