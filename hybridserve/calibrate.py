@@ -1,9 +1,11 @@
 """Fit the step-time model of a model on this machine by timing real forwards."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from typing import Iterator
 
 import torch
 
@@ -87,30 +89,52 @@ def _pages(prefill, decode, page_size: int) -> int:
     return sum(-(-(p + e) // page_size) for p, e in rows)
 
 
-def _time_forward(model, memory: Memory, cache, shape: BatchShape, repeats: int) -> float:
+@contextlib.contextmanager
+def on_pool(memory: Memory, cache, shape: BatchShape) -> Iterator[list[Segment]]:
+    """Segments of `shape` on free pages and active slots of `cache`'s pools (their contents
+    garbage, each prefill segment's tokens all 1), given back afterwards."""
     ps, kv, st = memory.page_size, cache.kv_pool, cache.state_pool
     rows = [(p, e) for p, e in shape.prefill] + [(c, 1) for c in shape.decode]
-    need = sum(-(-(p + e) // ps) for p, e in rows)
-    pages, slots, segs = kv.alloc(need), [st.alloc_active() for _ in rows], []
+    pages, slots, segs = kv.alloc(_pages(rows, [], ps)), [st.alloc_active() for _ in rows], []
     at = 0
     for (p, e), slot in zip(rows, slots):
         n = -(-(p + e) // ps)
         segs.append(Segment([1] * e, p, slot, pages[at:at + n]))
         at += n
     try:
-        times = []
-        for _ in range(repeats + 1):
-            batch = ForwardBatch.build(segs, memory, device=str(next(model.parameters()).device))
-            t0 = time.perf_counter()
-            model(batch)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return min(times[1:])  # the first run warms up; noise only adds time
+        yield segs
     finally:
         kv.free(pages)
         for s in slots:
             st.free(s)
+
+
+def _time_forward(model, memory: Memory, cache, shape: BatchShape, repeats: int) -> float:
+    device = next(model.parameters()).device
+    with on_pool(memory, cache, shape) as segs:
+        times = []
+        for _ in range(repeats + 1):
+            batch = ForwardBatch.build(segs, memory, device=str(device))
+            t0 = time.perf_counter()
+            model(batch)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])  # the first run warms up; noise only adds time
+
+
+def warm_up(model, memory: Memory, cache, tokens: int, max_len: int) -> BatchShape:
+    """One forward of a prefill of about `tokens` tokens (fewer where the free pages or slots
+    cannot hold them) in prompts of at most `max_len`, spread over as many active slots as are
+    free so that their attention stays short; returns the shape that ran."""
+    slots = cache.state_pool.num_free_active
+    length = min(max_len, -(-tokens // max(slots, 1)))
+    shape = fit_to_pool(BatchShape([(0, length)] * -(-tokens // length)), cache.kv_pool.num_free, slots,
+                        memory.page_size)
+    if shape.tokens:
+        with on_pool(memory, cache, shape) as segs:
+            model(ForwardBatch.build(segs, memory, device=str(next(model.parameters()).device)))
+            _sync(next(model.parameters()).device)
+    return shape
 
 
 def _sync(device: torch.device) -> None:

@@ -78,6 +78,10 @@ class EngineConfig:
         "help": "on CPU, run each round on the CPUs other processes leave free (from /proc/stat; at most torch's "
                 "thread count at the first round), so threads do not wait on descheduled partners on a busy machine; "
                 "matmuls may round differently at another thread count, so turn it off for bitwise-repeatable runs"})
+    warmup: bool = field(default=True, metadata={
+        "help": "at start-up, run one forward as large as the largest round the scheduler can plan (on free pages "
+                "and slots; nothing kept), so that the memory its activations take is mapped before the first "
+                "requests rather than page-faulted in during them (single-rank engines)"})
     debug_integrity: bool = field(default=False, metadata={
         "help": "check every pool's integrity whenever the engine is idle (slow; for debugging)"})
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

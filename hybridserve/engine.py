@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from hybridserve.calibrate import warm_up
 from hybridserve.config import EngineConfig
 from hybridserve.engine_info import EngineInfo, Prompt
 from hybridserve.host import ThreadGovernor, keep_freed_memory
@@ -21,7 +22,7 @@ from models.batch import Memory
 from models.builtin import ByteTokenizer, builtin_path
 from models.layers.tensor_parallel import TensorParallel
 from models.loader import load_model
-from scheduler import CostModel, Drift, Executor, Req, Scheduler, policy_class
+from scheduler import BatchShape, CostModel, Drift, Executor, Req, Scheduler, policy_class
 from state_cache import Journal, PrefillFlops, StateRadixCache, make_host_pool, make_pools, plan_memory
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,8 @@ class Engine:
             self.executor = ModelRunner(self.model, self.memory, config.device, self.sampler, state_pool.row)
         cost = self._with_host_link(self._cost_model()).context_parallel(config.context_parallel_size)
         self.scheduler = Scheduler(self.cache, config.scheduler, cost, time.monotonic)
+        if config.warmup and not self.workers:
+            self.warm_up()
         self.info = EngineInfo(config, self.model_name, self.tokenizer, mc.vocab_size, self.max_model_len,
                                self.scheduler.kv_capacity_tokens)
         # rid -> (req, its text, OUTPUTS kind, its logprobs so far: SamplingParams.logprobs set)
@@ -141,6 +144,20 @@ class Engine:
         ranks = f", {world} ranks (tensor x{tp}, context x{config.context_parallel_size}; per rank below)"
         log.info("model %s (%s, %s), policy %s%s\n%s", self.model_name, "/".join(mc.layer_kinds), mc.dtype,
                  config.scheduler.policy, ranks if self.workers else "", self.plan.report())
+
+    def warm_up(self) -> BatchShape | None:
+        """One forward of the largest round the policy can plan (policy.most_tokens()), before any
+        request: the first rounds of a process otherwise fault in every page their activations
+        take (on the 2-core VM of docs/benchmarks.md about 140K faults and 0.9 s in NemotronH's
+        first 20K-token rounds). The shape that ran; None where the policy knows no bound."""
+        tokens = self.scheduler.policy.most_tokens()
+        if not tokens:
+            return None
+        t0 = time.perf_counter()
+        shape = warm_up(self.model, self.memory, self.cache, tokens, self.max_model_len)
+        log.info("warm-up: one forward of %d tokens in %d prompts, %.2f s", shape.tokens, len(shape.prefill),
+                 time.perf_counter() - t0)
+        return shape
 
     def _profile_name(self) -> str | None:
         """The profile the engine loads: the configured one, else for the built-in model on CPU

@@ -75,6 +75,11 @@ class SchedulingPolicy(ABC):
     def scheduled(self, has_chunks: bool) -> None:  # noqa: B027 (an optional hook)
         """Told after each round is placed, whether it holds prefill chunks."""
 
+    def most_tokens(self) -> int | None:
+        """An upper bound on the tokens of any round it plans (None: none known); the engine's
+        start-up warm-up forward is this large. Token policies: the budget plus every decode row."""
+        return self.config.token_budget + self.config.max_running
+
 
 _POLICIES: dict[str, type[SchedulingPolicy]] = {}
 
@@ -163,6 +168,17 @@ class SerialBudget(SchedulingPolicy):
         """A larger round time r needs than target_step (None: none)."""
         return None
 
+    def longest_step(self) -> float:
+        """The most predicted seconds a round may take."""
+        return self.config.target_step
+
+    def most_tokens(self) -> int | None:
+        """Rounds end at longest_step() predicted seconds, which c_tok seconds a token alone would
+        fill, and at max_round_tokens."""
+        cost, cap = self.cost, self.config.max_round_tokens
+        by_time = int((self.longest_step() - cost.c0) / cost.c_tok) if cost.c_tok else None
+        return min((n for n in (by_time, cap) if n is not None), default=None)
+
     def _fill_time(self, prefills: Sequence[Req], decodes: list[Req], now: float) -> list[Pick]:
         """Add chunks while the predicted round time stays under target and the round's tokens
         within max_round_tokens; the first request always advances by at least one G step, and
@@ -209,6 +225,9 @@ class SerialDeadline(SerialBudget):
 
     def grow(self, r: Req, base: float, now: float) -> float | None:
         return deadline_step(self.config.max_step, self.cost, r, base, now, self.config.target_step)
+
+    def longest_step(self) -> float:
+        return max(self.config.target_step, self.config.max_step)
 
 
 def _deadline(r: Req) -> float:

@@ -5,6 +5,7 @@ import torch
 
 from hybridserve import LLM, Engine
 from hybridserve.sampling import SamplingParams
+from models.batch import ForwardBatch
 from models.builtin import ByteTokenizer
 from scheduler import CostModel
 from tests.models import harness
@@ -66,6 +67,38 @@ def test_continuous_batching_matches_transformers(tiny_model, profile):
     for i, p in enumerate(prompts):
         assert got[i] == _hf_greedy(ref, p, GREEDY.max_tokens), f"request {i}"
     eng.scheduler.check_integrity()
+
+
+@pytest.mark.warmup
+def test_warm_up_runs_the_largest_round_first_and_leaves_no_trace(tiny_model, profile):
+    """At start-up the engine runs one forward of its policy's largest round (most_tokens: here
+    max_round_tokens=512, as 8 prompts of 64, one per active slot) before any request. Every
+    page and slot is free afterwards and greedy tokens are still transformers' (the warm-up's
+    garbage states and KV are never read). With warmup off no forward runs at start."""
+    ref, path = tiny_model
+    forwards = []
+
+    def record(module, args):  # every module given a batch sees it (the model and its backbone): once per batch
+        if args and isinstance(args[0], ForwardBatch) and all(b is not args[0] for b, _ in forwards):
+            forwards.append((args[0], (args[0].num_tokens, len(args[0].segments))))
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(record)
+    try:
+        for warm in (True, False):
+            forwards.clear()
+            eng = _engine(path, profile, max_round_tokens=512, warmup=warm)
+            started = [size for _, size in forwards]
+            assert started == ([(512, 8)] if warm else [])
+            assert eng.audit() == {"kv_pages_held": 0, "active_slots_held": 0, "checkpoint_slots_held": 0}
+            prompts = [harness.prompt(ref.config.vocab_size, n, seed) for seed, n in enumerate([150, 37, 64])]
+            rids = [eng.add_request(p, GREEDY) for p in prompts]
+            got = {}
+            while eng.has_unfinished():
+                got.update((o.rid, o.token_ids) for o in eng.step() if o.finished)
+            for rid, p in zip(rids, prompts):
+                assert got[rid] == _hf_greedy(ref, p, GREEDY.max_tokens), (warm, rid)
+    finally:
+        hook.remove()
 
 
 def test_shared_prefix_hits_state_cache_and_keeps_tokens(tiny_model, profile):

@@ -161,3 +161,26 @@ def test_max_round_tokens_caps_the_serial_rounds(policy):
         make(policy, max_round_tokens=32)
     with pytest.raises(ValueError, match="max_round_tokens must be >= 1"):
         SchedulerConfig(max_round_tokens=0)
+
+
+@pytest.mark.parametrize("policy", ["tokens", "budget", "serial", "serial+deadline"])
+@pytest.mark.parametrize("cap", [None, 1024])
+def test_most_tokens_bounds_every_round(policy, cap):
+    """policy.most_tokens(), the size of the engine's start-up warm-up forward, is an upper bound
+    on every round the policy plans (prompts long and short, decode rows beside, late deadlines
+    growing rounds to max_step), and a close one: the largest round holds at least half of it
+    (serial+deadline: of the bound at target_step, as no prompt here is late enough to grow)."""
+    s, ex = make(policy, max_running=16, token_budget=512, target_step=0.05, max_step=0.2, max_round_tokens=cap)
+    bound = s.policy.most_tokens()
+    reqs = [req(f"r{i}", prompt(i, n), new=8, at=0.01 * i) for i, n in enumerate([3000, 200, 5000, 64, 900] * 4)]
+    out = run(s, ex, reqs)
+    assert all(r.finished for r in reqs)
+    largest = max(t for _, _, t, _ in out.rounds)
+    assert largest <= bound, (largest, bound)
+    at_target = bound if policy != "serial+deadline" else min(int((0.05 - COST.c0) / COST.c_tok), cap or 10**9)
+    assert largest >= at_target / 2, (largest, at_target)
+    if policy in ("tokens", "budget"):
+        assert bound == 512 + 16  # the budget and every decode row
+    else:  # the predicted time that c_tok alone would fill, or the cap
+        step = 0.05 if policy == "serial" else 0.2
+        assert bound == min(int((step - COST.c0) / COST.c_tok), cap or 10**9)
