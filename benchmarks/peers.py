@@ -33,8 +33,9 @@ default where the CPU runs it) and once through torch's fp32 matmul and experts 
 
 vLLM is optional: `--vllm-python` or $HYBRIDSERVE_VLLM_PYTHON (docs/benchmarks.md: recipe).
 The checkpoints (benchmarks/peer_models.py) are built once under `--cache`. Our engine's
-cost profile is calibrated once per model and run (`hybridserve calibrate --quick`, what
-it would otherwise do at every start) unless `--cost-profile` names one. Before each run the
+cost profile is what a start would take: the shipped one of its dtype for the built-in model,
+else calibrated once per model and run (`hybridserve calibrate --quick`, what it would
+otherwise do at every start); `--cost-profile` names one for every row instead. Before each run the
 parent waits (up to `--quiet-wait` s) for the CPUs to be mostly idle. Writes
 benchmarks/results/peers.json (peers_serve.json with --serve).
 """
@@ -316,6 +317,14 @@ def worker_lines(cmd: list[str], log: Path) -> list[dict]:
     return [json.loads(ln) for ln in lines]
 
 
+def our_profile(model: str, path: Path | str, dtype: str, args, scratch: Path) -> str | Path | None:
+    """The cost profile our runs of `model` take: --cost-profile; for the built-in model None, the
+    engine's own default (the shipped profile of its dtype); else one fitted now."""
+    if args.cost_profile or model == BUILTIN:
+        return args.cost_profile
+    return calibrate(Path(path), dtype, args, scratch / f"{model}.cost.json", scratch / "calibrate.log")
+
+
 def calibrate(path: Path, dtype: str, args, out: Path, log: Path) -> Path:
     """Our cost profile for this model and machine, fitted once (as each start would do)."""
     cmd = [sys.executable, "-m", "hybridserve", "calibrate", str(path), "--output", str(out), "--quick",
@@ -391,8 +400,9 @@ def measure_one_process(rows: list[Row], paths: dict, args, profiles: dict, scra
     with several --max-step values or --fp32-path ours torch, every row once per value (its label
     naming the value)."""
     variants = [(s, f) for s in args.max_step or [None] for f in args.fp32_path or [None]]
+    named = {m: p and str(p) for m, p in profiles.items()}  # None: the engine's default
     specs = [{"model": str(paths[r.model][0]), "dtype": r.dtype, "prefix_cache": r.prefix_cache,
-              "workload": str(work_file(r, args, scratch)), "cost_profile": str(profiles[r.model]), "max_step": s,
+              "workload": str(work_file(r, args, scratch)), "cost_profile": named[r.model], "max_step": s,
               "fp32_path": f} for r in rows for s, f in variants]
     rows = [replace(r, label=r.label + ("" if s is None else f", max_step {s:g} s")
                     + ("" if f is None else f", fp32 through {f}")) for r in rows for s, f in variants]
@@ -437,7 +447,8 @@ def busy_loops(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def measure_loaded(row: Row, path: Path, args, engines: tuple[str, ...], profile: str | Path, scratch: Path) -> dict:
+def measure_loaded(row: Row, path: Path, args, engines: tuple[str, ...], profile: str | Path | None,
+                   scratch: Path) -> dict:
     """The row again with `--under-load` busy-looping processes beside each run (no quiet wait,
     no retries): every run's wall time and the spread (slowest / fastest) per engine."""
     engines = row.engines(engines)
@@ -493,7 +504,7 @@ SERVE_METRICS = {  # the client's result keys the served table shows -> their co
     "p99_itl_ms": "p99 ITL ms", "output_throughput": "output tok/s", "duration": "duration s"}
 
 
-def server_command(engine: str, row: Row, path: Path, port: int, args, profile: str | Path) -> list[str]:
+def server_command(engine: str, row: Row, path: Path, port: int, args, profile: str | Path | None) -> list[str]:
     dtype = row.dtype
     if engine == "vllm":
         cache = "--enable-prefix-caching" if row.prefix_cache else "--no-enable-prefix-caching"
@@ -501,8 +512,9 @@ def server_command(engine: str, row: Row, path: Path, port: int, args, profile: 
                 "--port", str(port), "--dtype", dtype, "--max-num-seqs", str(args.requests), "--seed", "0", cache]
     cache = "--enable-prefix-cache" if row.prefix_cache else "--no-enable-prefix-cache"
     return [sys.executable, "-m", "hybridserve", "serve", str(path), "--port", str(port), "--dtype", dtype,
-            "--max-running", str(args.requests), "--memory-gb", str(MEMORY_GB), "--cost-profile", str(profile),
-            "--state-dtype", args.state_dtype, cache, "--log-level", "warning",
+            "--max-running", str(args.requests), "--memory-gb", str(MEMORY_GB),
+            *(["--cost-profile", str(profile)] if profile else []), "--state-dtype", args.state_dtype, cache,
+            "--log-level", "warning",
             *(["--target-step", str(args.target_step)] if args.target_step else []),
             *(["--engine-process"] if args.engine_process else [])]
 
@@ -519,7 +531,7 @@ def bench_command(url: str, path: Path, args, seed: int, out: Path) -> list[str]
             "--result-dir", str(out.parent), "--result-filename", out.name]
 
 
-def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:
+def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path | None, scratch: Path) -> dict:
     """One engine's server, warmed up on a short prompt, then `--repeats` client runs (seed i:
     new prompts, so no run finds another's prefix cached); the metrics of the fastest run, and
     every run's duration and share of the CPUs others used during it."""
@@ -561,7 +573,7 @@ def serve_engine(engine: str, row: Row, path: Path, args, profile: str | Path, s
     return {k: best[k] for k in (*SERVE_METRICS, "others_share")} | {"runs": every}
 
 
-def serve_row(row: Row, path: Path, args, profile: str | Path, scratch: Path) -> dict:
+def serve_row(row: Row, path: Path, args, profile: str | Path | None, scratch: Path) -> dict:
     result: dict = {"row": row.label, "model": row.model, "prefix_cache": row.prefix_cache}
     for engine in ENGINES:
         result[engine] = serve_engine(engine, row, path, args, profile, scratch)
@@ -659,8 +671,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = {m: checkpoint(m, args.cache) for m in dtypes}
     for m, (path, params) in paths.items():
         print(f"{m}: {params / 1e6:.2f}M parameters ({dtypes[m]}) at {path}")
-    profiles = {m: args.cost_profile or calibrate(p, dtypes[m], args, scratch / f"{m}.cost.json",
-                                                  scratch / "calibrate.log") for m, (p, _) in paths.items()}
+    profiles = {m: our_profile(m, p, dtypes[m], args, scratch) for m, (p, _) in paths.items()}
     if args.serve:
         results = [serve_row(r, paths[r.model][0], args, profiles[r.model], scratch) for r in rows]
         text = serve_table(results)

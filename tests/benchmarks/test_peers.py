@@ -135,6 +135,8 @@ def test_served_round_target_engine_process_and_state_dtype_reach_only_our_side(
     default = peers.parse_args([*SMALL, "--vllm-python", "python"])
     plain = peers.server_command("hybridserve", row, Path("m"), 1, default, "p.json")
     assert "--target-step" not in plain and "--engine-process" not in plain
+    assert plain[plain.index("--cost-profile") + 1] == "p.json"
+    assert "--cost-profile" not in peers.server_command("hybridserve", row, Path("m"), 1, default, None)
     assert plain[plain.index("--state-dtype") + 1] == "auto"
 
 
@@ -186,6 +188,22 @@ def test_builtin_kimi_row_runs_ours_only(tmp_path, monkeypatch):
     assert max(max(p) for p in prompts) < 256
     with pytest.raises(SystemExit, match="built-in"):
         peers.main(["--serve", "--rows", "kimi-builtin-cache", "--vllm-python", "python"])
+
+
+def test_our_profile_is_what_an_engine_start_takes(tmp_path, monkeypatch):
+    """Without --cost-profile the built-in model's runs take the engine's own default (None: the
+    shipped profile of its dtype) and nothing is calibrated for it; a peer checkpoint is
+    calibrated once (as a start would fit one); --cost-profile names the one of every row."""
+    fitted = []
+    monkeypatch.setattr(peers, "calibrate", lambda path, dtype, args, out, log: fitted.append(path) or out)
+    default = peers.parse_args(SMALL[:-2])
+    assert peers.our_profile(peers.BUILTIN, peers.BUILTIN, "bfloat16", default, tmp_path) is None and not fitted
+    path = tmp_path / "nemotron-h"
+    assert peers.our_profile("nemotron-h", path, "float32", default, tmp_path) == tmp_path / "nemotron-h.cost.json"
+    assert fitted == [path]
+    named = peers.parse_args(SMALL)
+    assert peers.our_profile(peers.BUILTIN, peers.BUILTIN, "bfloat16", named, tmp_path) == "builtin_cpu"
+    assert peers.our_profile("nemotron-h", path, "float32", named, tmp_path) == "builtin_cpu" and fitted == [path]
 
 
 def test_sources_changed_during_a_run_are_flagged(tmp_path, monkeypatch, capsys):
