@@ -174,10 +174,12 @@ class SerialBudget(SchedulingPolicy):
 
     def most_tokens(self) -> int | None:
         """Rounds end at longest_step() predicted seconds, which c_tok seconds a token alone would
-        fill, and at max_round_tokens."""
+        fill, and at max_round_tokens, except that every decode row runs and the first chunk
+        advances one G step."""
         cost, cap = self.cost, self.config.max_round_tokens
         by_time = int((self.longest_step() - cost.c0) / cost.c_tok) if cost.c_tok else None
-        return min((n for n in (by_time, cap) if n is not None), default=None)
+        bound = min((n for n in (by_time, cap) if n is not None), default=None)
+        return None if bound is None else max(bound, self.config.max_running + self.g)
 
     def _fill_time(self, prefills: Sequence[Req], decodes: list[Req], now: float) -> list[Pick]:
         """Add chunks while the predicted round time stays under target and the round's tokens

@@ -169,7 +169,8 @@ def test_most_tokens_bounds_every_round(policy, cap):
     """policy.most_tokens(), the size of the engine's start-up warm-up forward, is an upper bound
     on every round the policy plans (prompts long and short, decode rows beside, late deadlines
     growing rounds to max_step), and a close one: the largest round holds at least half of it
-    (serial+deadline: of the bound at target_step, as no prompt here is late enough to grow)."""
+    (serial+deadline: of the bound at target_step, as no prompt here is late enough to grow).
+    Under a cap that decode rows fill, every decode row plus the first chunk's G step bounds it."""
     s, ex = make(policy, max_running=16, token_budget=512, target_step=0.05, max_step=0.2, max_round_tokens=cap)
     bound = s.policy.most_tokens()
     reqs = [req(f"r{i}", prompt(i, n), new=8, at=0.01 * i) for i, n in enumerate([3000, 200, 5000, 64, 900] * 4)]
@@ -184,3 +185,6 @@ def test_most_tokens_bounds_every_round(policy, cap):
     else:  # the predicted time that c_tok alone would fill, or the cap
         step = 0.05 if policy == "serial" else 0.2
         assert bound == min(int((step - COST.c0) / COST.c_tok), cap or 10**9)
+        # a cap below every decode row plus one G step: the progress rule's round is the bound
+        tight, _ = make(policy, max_running=16, max_round_tokens=64)
+        assert tight.policy.most_tokens() == 16 + tight.policy.g
