@@ -126,14 +126,14 @@ def warm_up(model, memory: Memory, cache, tokens: int, max_len: int) -> BatchSha
     """One forward of a prefill of about `tokens` tokens (fewer where the free pages or slots
     cannot hold them) in prompts of at most `max_len`, spread over as many active slots as are
     free so that their attention stays short; returns the shape that ran."""
-    slots = cache.state_pool.num_free_active
+    slots, device = cache.state_pool.num_free_active, next(model.parameters()).device
     length = min(max_len, -(-tokens // max(slots, 1)))
     shape = fit_to_pool(BatchShape([(0, length)] * -(-tokens // length)), cache.kv_pool.num_free, slots,
                         memory.page_size)
     if shape.tokens:
         with on_pool(memory, cache, shape) as segs:
-            model(ForwardBatch.build(segs, memory, device=str(next(model.parameters()).device)))
-            _sync(next(model.parameters()).device)
+            model(ForwardBatch.build(segs, memory, device=str(device)))
+            _sync(device)
     return shape
 
 
