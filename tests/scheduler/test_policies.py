@@ -167,9 +167,9 @@ def test_max_round_tokens_caps_the_serial_rounds(policy):
 @pytest.mark.parametrize("cap", [None, 1024])
 def test_most_tokens_bounds_every_round(policy, cap):
     """policy.most_tokens(), the size of the engine's start-up warm-up forward, is an upper bound
-    on every round the policy plans (prompts long and short, decode rows beside, late deadlines
-    growing rounds to max_step), and a close one: the largest round holds at least half of it
-    (serial+deadline: of the bound at target_step, as no prompt here is late enough to grow).
+    on every round the policy plans (prompts long and short arriving over time, decode rows
+    beside), and a close one: the largest round holds at least half of it (serial+deadline: of
+    the bound at target_step, as no prompt here is late enough for its rounds to grow).
     Under a cap that decode rows fill, every decode row plus the first chunk's G step bounds it."""
     s, ex = make(policy, max_running=16, token_budget=512, target_step=0.05, max_step=0.2, max_round_tokens=cap)
     bound = s.policy.most_tokens()
