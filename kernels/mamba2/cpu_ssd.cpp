@@ -130,22 +130,20 @@ void chunk(const Sizes& s, const Inputs<T>& in, T* out, int64_t t0, int64_t c, i
 #pragma omp simd
     for (int64_t p = 0; p < P; ++p) xs[j * P + p] = x[j * P + p] * f;
   }
+  float* ce = one ? sc + c : C;  // C_i exp(acum_i): after each score row (one product) or rows of its own
+  const int64_t lde = one ? LS : S;
+  for (int64_t i = 0; i < c; ++i) {
+    const float e = std::exp(acum[i]);
+    for (int64_t d = 0; d < S; ++d) ce[i * lde + d] = w.C[i * S + d] * e;
+  }
   if (one) {  // [scores | C exp(acum)] [x; h^T]: the intra-chunk sums, then the entry state's share
-    for (int64_t i = 0; i < c; ++i) {
-      const float e = std::exp(acum[i]);
-      for (int64_t d = 0; d < S; ++d) sc[i * LS + c + d] = w.C[i * S + d] * e;
-    }
     mm(false, false, c, P, c + S, 1.f, sc, LS, x, P, 0.f, y, P);
   } else {
     for (int64_t r0 = 0; r0 < c; r0 += RB) {  // intra-chunk: rows [r0, r1) against the tokens up to r1 (causal)
       const int64_t r1 = std::min(c, r0 + RB);
       mm(false, false, r1 - r0, P, r1, 1.f, sc + r0 * L, L, x, P, 0.f, y + r0 * P, P);
     }
-    for (int64_t i = 0; i < c; ++i) {                          // C_i exp(acum_i), then the entry state's share
-      const float e = std::exp(acum[i]);
-      for (int64_t d = 0; d < S; ++d) C[i * S + d] = w.C[i * S + d] * e;
-    }
-    mm(false, false, c, P, S, 1.f, C, S, hT, P, 1.f, y, P);
+    mm(false, false, c, P, S, 1.f, C, S, hT, P, 1.f, y, P);  // the entry state's share
   }
   const float total = std::exp(acum[c - 1]);
   for (int64_t k = 0; k < P * S; ++k) hT[k] *= total;
