@@ -10,9 +10,10 @@
 // D is the torch path's U - W S of the WY form ([U | W] = (I + diag(beta) A_kk)^-1 diag(beta)
 // [V | K exp(G)]) with the state folded in before the solve: chunk by chunk, S is known there,
 // so the substitution runs over V columns instead of V + K and W is never formed.
-// KDA's pairs are factored through reference tokens close enough that no factor leaves fp32's
-// normal range (pairs()); every other exp has a non-positive argument. The last chunk of a
-// sequence is just shorter (no padding).
+// KDA's pairs are factored so that no factor leaves fp32's normal range: through one reference
+// per channel where the channel's decay over the chunk is within NEAR (factored()), else through
+// reference tokens close enough (pairs()). The last chunk of a sequence is just shorter (no
+// padding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -61,11 +62,15 @@ struct Sizes {
 // (op(A) [M, K]: A stored [K, M] when ta; op(B) [K, N]: B stored [N, K] when tb).
 // The work buffers of one thread, reused job after job and chunk after chunk.
 struct Scratch {
-  std::vector<float> k, q, qs, kT, G, kout, kexp, A, A_raw, X, e, R, C, D;
+  std::vector<float> k, q, qs, kT, G, kout, kexp, A, A_raw, X, e, R, C, D, P, kc, E, kF, qF, GF;
+  std::vector<int64_t> far;
   explicit Scratch(const Sizes& s)
       : k(CHUNK * s.K), q(CHUNK * s.K), qs(CHUNK * s.K), kT(s.gK == 1 ? s.K * CHUNK : 0), G(CHUNK * s.gK),
         kout(CHUNK * s.K), kexp(CHUNK * s.K), A(2 * CHUNK * CHUNK), A_raw(s.gK == 1 ? 2 * CHUNK * CHUNK : 0), X(CHUNK * s.V),
-        e(std::max(s.K, CHUNK)), R(2 * SBLK * s.K), C(s.K * CHUNK), D(3 * PBLK * s.K) {}
+        e(std::max(s.K, CHUNK)), R(2 * SBLK * s.K), C(s.K * CHUNK), D(3 * PBLK * s.K),
+        P(s.gK == 1 ? 0 : 2 * CHUNK * s.K), kc(s.gK == 1 ? 0 : CHUNK * s.K), E(s.gK == 1 ? 0 : 4 * s.K),
+        kF(s.gK == 1 ? 0 : CHUNK * s.K), qF(s.gK == 1 ? 0 : CHUNK * s.K), GF(s.gK == 1 ? 0 : CHUNK * s.K),
+        far(s.gK == 1 ? 0 : s.K) {}
 };
 
 template <typename T>
@@ -89,7 +94,7 @@ struct Inputs {
 //   SBLK keys computed anew.
 // A factor that underflows leaves a product below fp32 resolution (both factors are <= 1).
 
-// rows [r0, r1) x columns [c0, c1) of A_kk and A_qk (pairs j <= i only) from scaled key and query
+// rows [r0, r1) x columns [c0, c1) of A_kk and A_qk (pairs j <= i only) added from scaled key and query
 // rows (kr, qr: row i at (i - r0) * K) and scaled key columns (kc: column j at (j - c0) * K)
 void dots(const Sizes& s, const float* kr, const float* qr, const float* kc, int64_t r0, int64_t r1, int64_t c0,
           int64_t c1, float* A_kk, float* A_qk) {
@@ -103,8 +108,8 @@ void dots(const Sizes& s, const float* kr, const float* qr, const float* kc, int
         kk += ki[d] * kj[d];
         qk += qi[d] * kj[d];
       }
-      A_kk[i * CHUNK + j] = kk;
-      A_qk[i * CHUNK + j] = qk * s.scale;
+      A_kk[i * CHUNK + j] += kk;
+      A_qk[i * CHUNK + j] += qk * s.scale;
     }
 }
 
@@ -129,7 +134,7 @@ void scaled(const Sizes& s, const float* k, const float* q, const float* G, cons
     }
 }
 
-// P [M, N] = alpha A [M, K] (rows K apart) C [K, N] (rows CHUNK apart, N a multiple of 16), P's
+// P [M, N] += alpha A [M, K] (rows K apart) C [K, N] (rows CHUNK apart, N a multiple of 16), P's
 // rows CHUNK apart: RB rows by 16 columns at a time, their sums held in registers over K (MKL's
 // sgemm took 2.5x as long on these few-row products)
 template <int RB>
@@ -146,7 +151,7 @@ void rows_times(const float* A, int64_t K, const float* C, int64_t N, float alph
     }
     for (int r = 0; r < RB; ++r)
 #pragma omp simd
-      for (int jj = 0; jj < 16; ++jj) P[r * CHUNK + j0 + jj] = alpha * acc[r][jj];
+      for (int jj = 0; jj < 16; ++jj) P[r * CHUNK + j0 + jj] += alpha * acc[r][jj];
   }
 }
 
@@ -208,6 +213,83 @@ void pairs(const Sizes& s, const float* k, const float* q, const float* G, int64
     scaled(s, k, q, G, Gs, b0, b1, R, R + n * K);  // R: k rows then q rows, decayed to token b0 - 1
     times_columns(R, n, K, C, b0, 1.f, A_kk + b0 * CHUNK);
     times_columns(R + n * K, n, K, C, b0, s.scale, A_qk + b0 * CHUNK);
+  }
+}
+
+// The pair matrices and per-token factors for a decay per channel. A channel whose decay over
+// the chunk's tokens (G_0 - G_last, the clamped log decays summed) is at most NEAR -- nearly all
+// of them: 97% of the built-in Kimi's (chunk, head, channel)s on the peer workload -- factors
+// every pair through one reference, the middle of its range: exp(G_i - G_j) = x_i / x_j with
+// x = exp(G - G_ref) in e^-NEAR/2..e^NEAR/2, so each factor, and each product of two (above the
+// diagonal too, up to e^NEAR), stays a normal float. Those channels' share of A_kk and A_qk is
+// one product of scaled rows [K x; Q x scale] against scaled columns K / x, and their per-token
+// factors follow from x with a constant per channel: exp(G_i) = x_i exp(G_ref) and
+// exp(G_last - G_i) = exp(G_last - G_ref) / x_i -- one exp per token and channel, where pairs()
+// and the direct factors take about five. The other channels (zeros in that product) are
+// gathered and added by pairs(), their factors taken directly.
+constexpr float NEAR = 60.f;
+
+// Writes A_kk and A_qk (whole: above the diagonal, the near channels' products) and the chunk's
+// K exp(G) (kexp), Q exp(G) scale (q, raw on entry, in place) and K exp(G_last - G) (kout), c tokens.
+void factored(const Sizes& s, const float* k, float* q, const float* G, int64_t c, float* kexp, float* kout,
+              Scratch& w) {
+  const int64_t K = s.K;
+  const float* last = G + (c - 1) * K;
+  float *ref = w.E.data(), *now = ref + K, *rest = now + K, *use = rest + K, *P = w.P.data(), *kc = w.kc.data();
+  int64_t* far = w.far.data();
+  int64_t nf = 0;
+  for (int64_t d = 0; d < K; ++d) {
+    const bool near = G[d] - last[d] <= NEAR;
+    ref[d] = 0.5f * (G[d] + last[d]);
+    use[d] = near ? 1.f : 0.f;
+    if (!near) far[nf++] = d;
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < K; ++d) {
+    now[d] = exp_floor(ref[d]);
+    rest[d] = exp_floor(last[d] - ref[d]);
+  }
+  constexpr float BOUND = NEAR / 2 + 1;  // binds for far channels only, whose x is then unused (times 0)
+  for (int64_t i = 0; i < c; ++i) {  // P: K x then Q x scale; kc: K / x
+    const float *ki = k + i * K, *qi = q + i * K, *Gi = G + i * K;
+    float *kr = P + i * K, *qr = P + (c + i) * K, *kj = kc + i * K;
+#pragma omp simd
+    for (int64_t d = 0; d < K; ++d) {
+      const float x = std::exp(std::clamp(Gi[d] - ref[d], -BOUND, BOUND)), kd = ki[d] * use[d];
+      kr[d] = kd * x;
+      qr[d] = qi[d] * use[d] * x * s.scale;
+      kj[d] = kd / x;
+    }
+  }
+  mm(false, true, 2 * c, c, K, 1.f, P, K, kc, K, 0.f, w.A.data(), CHUNK);  // [A_kk; A_qk] = P kc^T
+  if (nf) {  // the far channels' pairs, added
+    float *kF = w.kF.data(), *qF = w.qF.data(), *GF = w.GF.data();
+    for (int64_t i = 0; i < c; ++i)
+      for (int64_t f = 0; f < nf; ++f) {
+        kF[i * nf + f] = k[i * K + far[f]];
+        qF[i * nf + f] = q[i * K + far[f]];
+        GF[i * nf + f] = G[i * K + far[f]];
+      }
+    Sizes sf = s;
+    sf.K = sf.gK = nf;
+    pairs(sf, kF, qF, GF, c, w);
+  }
+  for (int64_t i = 0; i < c; ++i) {
+    const float *kr = P + i * K, *qr = P + (c + i) * K, *kj = kc + i * K, *ki = k + i * K, *Gi = G + i * K;
+    float *xi = kexp + i * K, *qi = q + i * K, *oi = kout + i * K;
+#pragma omp simd
+    for (int64_t d = 0; d < K; ++d) {
+      xi[d] = kr[d] * now[d];
+      qi[d] = qr[d] * now[d];
+      oi[d] = kj[d] * rest[d];
+    }
+    for (int64_t f = 0; f < nf; ++f) {  // the far channels' factors, directly
+      const int64_t d = far[f];
+      const float at = exp_floor(Gi[d]);
+      xi[d] = ki[d] * at;
+      qi[d] = w.qF[i * nf + f] * at * s.scale;
+      oi[d] = ki[d] * exp_floor(last[d] - Gi[d]);
+    }
   }
 }
 
@@ -334,31 +416,21 @@ void chunk(const Sizes& s, const Inputs<T>& in, float* o, int64_t t0, int64_t c,
         rq[j] *= e[j] * s.scale;
       }
     }
-  } else {  // per channel: see pairs()
-    pairs(s, k, qin, G, c, w);
-  }
-  for (int64_t i = 0; i < c; ++i) {  // K exp(G), Q exp(G) scale, K exp(G_last - G)
-    const float *Gi = G + i * gK, *ki = k + i * K;
-    float *xi = kexp + i * K, *qi = qin + i * K, *oi = kout + i * K;
-    if (gK == 1) {  // one decay per head: two exps per token
-      const float now = exp_floor(Gi[0]), rest = exp_floor(last[0] - Gi[0]);
+    for (int64_t i = 0; i < c; ++i) {  // K exp(G), Q exp(G) scale, K exp(G_last - G): two exps per token
+      const float *ki = k + i * K, now = exp_floor(G[i]), rest = exp_floor(last[0] - G[i]);
+      float *xi = kexp + i * K, *qi = qin + i * K, *oi = kout + i * K;
 #pragma omp simd
       for (int64_t d = 0; d < K; ++d) {
         xi[d] = ki[d] * now;
         qi[d] *= now * s.scale;
         oi[d] = ki[d] * rest;
       }
-    } else {
-#pragma omp simd
-      for (int64_t d = 0; d < K; ++d) {
-        const float now = exp_floor(Gi[d]);
-        xi[d] = ki[d] * now;
-        qi[d] *= now * s.scale;
-        oi[d] = ki[d] * exp_floor(last[d] - Gi[d]);
-      }
     }
-    std::fill(A_qk + i * CHUNK + i + 1, A_qk + i * CHUNK + c, 0.f);  // causal: A_qk is read whole below
+  } else {  // per channel: see factored()
+    factored(s, k, qin, G, c, kexp, kout, w);
   }
+  for (int64_t i = 0; i < c; ++i)  // causal: A_qk is read whole below
+    std::fill(A_qk + i * CHUNK + i + 1, A_qk + i * CHUNK + c, 0.f);
   mm(false, false, c, V, K, -1.f, kexp, K, S, V, 1.f, X, V);  // X = V - K exp(G) S
   // forward substitution in blocks of BLK rows: X_b = beta_b (X_b - A_kk[b, :b] X_:b), then inside the block
   for (int64_t b0 = 0; b0 < c; b0 += BLK) {

@@ -205,18 +205,24 @@ def _delta_rule_fp64(q, k, v, g, beta, scale):
 
 
 @needs_kernel
-@pytest.mark.parametrize("max_decay", [0.5, 40.0])
-def test_kda_chunk_kernel_accurate_to_fp64_on_strong_decays(max_decay):
+@pytest.mark.parametrize("max_decay, far_channels", [(0.5, 0), (0.5, 5), (3.6, 0), (40.0, 0)],
+                         ids=["weak", "weak-and-5-strong-channels", "near-the-bound", "strong"])
+def test_kda_chunk_kernel_accurate_to_fp64_on_strong_decays(max_decay, far_channels):
     """The compiled KDA chunk kernel at Kimi's head size (64) is within 1e-6 of a float64 token
     loop, with log decays down to -40 per token too (clamped at -20). Its pair factoring keeps
     every factor in fp32's normal range: factored over 8 tokens, a key times e^-80 fell below it,
-    flushed to zero beside a partner factor of e^+80, and the outputs were off by 1.2e-5."""
+    flushed to zero beside a partner factor of e^+80, and the outputs were off by 1.2e-5. Channels
+    whose decay over a chunk is within the kernel's bound (60) share one reference and the others
+    go through the blocked factoring: weak decays (every channel under it), a few channels of -20
+    per token among weak ones (both kinds in every chunk), decays up to -3.6 (chunks on both sides
+    of the bound) and strong ones (every channel past it)."""
     from kernels.kda import chunk_kda
 
     torch.manual_seed(0)
     T, H, K = 256, 4, 64
     q, k = (F.normalize(torch.randn(T, H, K), dim=-1) for _ in range(2))
     v, g, beta = torch.randn(T, H, K), -torch.rand(T, H, K) * max_decay, torch.rand(T, H)
+    g[..., :far_channels] = -20.0 + torch.rand(T, H, far_channels)
     o, _ = chunk_kda(q, k, v, g, beta, scale=K**-0.5, output_final_state=True)
     assert (o.double() - _delta_rule_fp64(q, k, v, g, beta, K**-0.5)).abs().max().item() < 1e-6
 
