@@ -186,7 +186,7 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(lat[:, : self.r]).view(len(pages), page, self.h, self.nope + self.vd)
         k = torch.cat([kv[..., : self.nope], lat[:, None, self.r :].expand(-1, self.h, -1).view(
             len(pages), page, self.h, self.rope)], -1)  # [U, page, H, nope + rope]
-        v = kv[..., self.nope :].contiguous()  # [U, page, H, v]
+        v = kv[..., self.nope :]  # [U, page, H, v]: a view (the kernels take strided rows)
         table = torch.full_like(page_table, PAD_PAGE)
         table[used] = local
         attn = kernels.get("attention", q.device)
